@@ -1,0 +1,349 @@
+"""One PVT-family skeleton with pluggable attention per stage.
+
+FLatten-PVT (PVT v1 base), FLatten-PVTv2 and QuadTree-PVTv2 differ only in the patch
+embedding, the MLP, the output norms, the absolute position table and -- mostly -- the
+attention operator of each stage. ``PyramidVisionBackbone`` holds all of it; the
+registered classes set class-level defaults and an ``arch_zoo``.
+
+Stage ``i`` (0-based) has stride ``4 * 2**i``. Its attention is built from
+``attn_cfg[i]`` with ``flatten_mm.models.layers.build_attention``; the skeleton supplies
+``embed_dims``, ``num_heads``, ``qkv_bias``, ``attn_drop``, ``proj_drop``, ``linear`` and
+``pretrain_hw_shape`` (the stage grid at ``pretrain_img_size``) to operators that accept
+them. Any attention type may sit in any stage.
+"""
+import copy
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+from mmengine.model import BaseModule
+from mmengine.model.weight_init import trunc_normal_
+from timm.layers import DropPath
+
+from ...registry import MODELS
+from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
+from .base import (check_frozen_stages, check_out_indices, expand_per_stage, freeze,
+                   resolve_arch)
+
+FLA = dict(type='FocusedLinearAttention', sr_ratio=1, focusing_factor=3, kernel_size=5)
+
+
+class PVTBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(LN(x))``, ``x + mlp(LN(x))``.
+
+    Args:
+        embed_dims: channels ``C``.
+        num_heads: attention heads.
+        mlp_ratio: hidden/``C`` ratio of the MLP.
+        attn_cfg: attention operator config (see ``build_attention``).
+        qkv_bias: bias of the q/k/v projections.
+        drop_rate: dropout after projections and in the MLP.
+        attn_drop_rate: attention-weight dropout (operators that have one).
+        drop_path: stochastic-depth rate of this block.
+        mlp_dwconv: PVTv2 depth-wise conv in the MLP.
+        linear: PVTv2-li mode (pooled keys in attention, ReLU in the MLP).
+        pretrain_hw_shape: the stage grid at the pretraining resolution.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float, attn_cfg: dict,
+                 qkv_bias: bool = True, drop_rate: float = 0., attn_drop_rate: float = 0.,
+                 drop_path: float = 0., mlp_dwconv: bool = True, linear: bool = False,
+                 pretrain_hw_shape: Tuple[int, int] = (56, 56)) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dims, eps=1e-6)
+        self.attn = build_attention(
+            attn_cfg, embed_dims=embed_dims, num_heads=num_heads, qkv_bias=qkv_bias,
+            attn_drop=attn_drop_rate, proj_drop=drop_rate, linear=linear,
+            pretrain_hw_shape=pretrain_hw_shape)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
+        self.mlp = PVTMlp(embed_dims, int(embed_dims * mlp_ratio), drop=drop_rate,
+                          dwconv=mlp_dwconv, linear=linear)
+
+    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+
+
+class PVTStage(nn.Module):
+    """Patch embedding, optional absolute position table, blocks, optional norm."""
+
+    def __init__(self, patch_embed: PVTPatchEmbed, blocks: List[PVTBlock],
+                 norm: Optional[nn.Module], pos_embed_hw: Optional[Tuple[int, int]],
+                 embed_dims: int, drop_rate: float = 0.) -> None:
+        super().__init__()
+        self.patch_embed = patch_embed
+        self.pos_embed_hw = pos_embed_hw
+        if pos_embed_hw is not None:
+            self.pos_embed = nn.Parameter(
+                torch.zeros(1, pos_embed_hw[0] * pos_embed_hw[1], embed_dims))
+            self.pos_drop = nn.Dropout(drop_rate)
+        else:
+            self.pos_embed = None
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+
+
+class PyramidVisionBackbone(BaseModule):
+    """PVT / PVTv2 skeleton producing NCHW maps at strides 4, 8, 16, 32.
+
+    Subclasses set ``arch_zoo`` and the class attributes below; see
+    ``FLattenPVTv2`` for the meaning of the constructor arguments.
+    """
+
+    arch_zoo: Dict[str, dict] = {}
+    arch_keys = ('embed_dims', 'depths', 'num_heads', 'mlp_ratios')
+    default_attn_cfg: Union[dict, Sequence[dict]] = FLA
+    overlap_patch_embed = True  # PVTv2 overlapping embeddings (False: PVT v1)
+    use_abs_pos_embed = False  # PVT v1 per-stage absolute position tables
+    mlp_dwconv = True  # PVTv2 MLP with depth-wise conv
+    stage_norm = True  # LayerNorm after every stage (PVTv2); v1 outputs are un-normalised
+    num_stages = 4
+
+    def __init__(self,
+                 arch: Union[str, dict] = 'b0',
+                 in_channels: int = 3,
+                 attn_cfg: Optional[Union[dict, Sequence[dict]]] = None,
+                 pretrain_img_size: Union[int, Tuple[int, int]] = 224,
+                 qkv_bias: bool = True,
+                 drop_rate: float = 0.,
+                 attn_drop_rate: float = 0.,
+                 drop_path_rate: float = 0.1,
+                 linear: bool = False,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 frozen_stages: int = -1,
+                 with_cp: bool = False,
+                 init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
+        super().__init__(init_cfg=init_cfg)
+        name = type(self).__name__
+        self.arch_settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, name)
+        embed_dims = tuple(self.arch_settings['embed_dims'])
+        depths = tuple(self.arch_settings['depths'])
+        num_heads = tuple(self.arch_settings['num_heads'])
+        mlp_ratios = tuple(self.arch_settings['mlp_ratios'])
+        for key, val in (('embed_dims', embed_dims), ('depths', depths),
+                         ('num_heads', num_heads), ('mlp_ratios', mlp_ratios)):
+            if len(val) != self.num_stages:
+                raise ValueError(f'{name}: arch {key} needs {self.num_stages} entries, got {val}')
+        self.embed_dims = embed_dims
+        self.depths = depths
+        self.out_indices = check_out_indices(out_indices, self.num_stages, name)
+        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
+        self.with_cp = with_cp
+        self.attn_cfgs = self._stage_attn_cfgs(attn_cfg)
+
+        if isinstance(pretrain_img_size, int):
+            pretrain_img_size = (pretrain_img_size, pretrain_img_size)
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        grid = tuple(pretrain_img_size)
+        self.stages = nn.ModuleList()
+        cur, prev_dims = 0, in_channels
+        for i in range(self.num_stages):
+            stride = 4 if i == 0 else 2
+            grid = (grid[0] // stride, grid[1] // stride)
+            patch_embed = PVTPatchEmbed(prev_dims, embed_dims[i], stride,
+                                        overlap=self.overlap_patch_embed)
+            blocks = [
+                PVTBlock(embed_dims[i], num_heads[i], mlp_ratios[i], self.attn_cfgs[i],
+                         qkv_bias=qkv_bias, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+                         drop_path=dpr[cur + j], mlp_dwconv=self.mlp_dwconv, linear=linear,
+                         pretrain_hw_shape=grid) for j in range(depths[i])
+            ]
+            norm = nn.LayerNorm(embed_dims[i], eps=1e-6) if self.stage_norm else None
+            self.stages.append(
+                PVTStage(patch_embed, blocks, norm, grid if self.use_abs_pos_embed else None,
+                         embed_dims[i], drop_rate))
+            cur += depths[i]
+            prev_dims = embed_dims[i]
+        self._freeze_stages()
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def out_channels(self) -> Tuple[int, ...]:
+        """Channels of each returned map."""
+        return tuple(self.embed_dims[i] for i in self.out_indices)
+
+    @property
+    def out_strides(self) -> Tuple[int, ...]:
+        """Stride (w.r.t. the input) of each returned map."""
+        return tuple(4 * 2**i for i in self.out_indices)
+
+    # ------------------------------------------------------------------ build helpers
+    def _stage_attn_cfgs(self, attn_cfg) -> List[dict]:
+        defaults = expand_per_stage(self.default_attn_cfg, self.num_stages, 'default_attn_cfg')
+        if attn_cfg is None:
+            return defaults
+        user = expand_per_stage(attn_cfg, self.num_stages, 'attn_cfg')
+        cfgs = []
+        for d, u in zip(defaults, user):
+            u = dict(u)
+            if 'type' in u:  # a different operator: take the user's config as is
+                cfgs.append(u)
+            else:  # same operator, some arguments changed
+                d.update(u)
+                cfgs.append(d)
+        return cfgs
+
+    def init_weights(self) -> None:
+        """PVTv2 initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
+        if self.init_cfg is not None and (
+                (isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained')):
+            super().init_weights()
+            return
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Conv2d):
+                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+                nn.init.normal_(m.weight, 0, (2.0 / fan_out)**0.5)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for stage in self.stages:
+            if stage.pos_embed is not None:
+                trunc_normal_(stage.pos_embed, std=.02)
+
+    def _freeze_stages(self) -> None:
+        for i in range(self.frozen_stages + 1):
+            freeze(self.stages[i])
+
+    def train(self, mode: bool = True) -> 'PyramidVisionBackbone':
+        super().train(mode)
+        self._freeze_stages()
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def _run_block(self, block: PVTBlock, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(block, x, hw, use_reentrant=False)
+        return block(x, hw)
+
+    def forward_stage(self, i: int, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Run stage ``i`` on a map ``(B, C_in, H, W)``; returns tokens ``(B, N, C_i)``
+        after the blocks and the stage norm (if any), and their grid."""
+        stage = self.stages[i]
+        x, hw = stage.patch_embed(x)
+        if stage.pos_embed is not None:
+            x = stage.pos_drop(x + resize_pos_table(stage.pos_embed, stage.pos_embed_hw, hw))
+        for block in stage.blocks:
+            x = self._run_block(block, x, hw)
+        if stage.norm is not None:
+            x = stage.norm(x)
+        return x, hw
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Args: x ``(B, C_in, H, W)``, any H, W. Returns the maps of ``out_indices``,
+        ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for ``s = out_strides[k]``."""
+        if x.dim() != 4:
+            raise ValueError(f'{type(self).__name__} expects a (B, C, H, W) tensor, got {tuple(x.shape)}')
+        in_ch = self.stages[0].patch_embed.proj.in_channels
+        if x.shape[1] != in_ch:
+            raise ValueError(f'{type(self).__name__} was built for {in_ch} input channels, '
+                             f'got an input with {x.shape[1]}')
+        outs = []
+        for i in range(self.num_stages):
+            tokens, hw = self.forward_stage(i, x)
+            x = tokens.transpose(1, 2).reshape(tokens.shape[0], -1, hw[0], hw[1])
+            if i in self.out_indices:
+                outs.append(x)
+        return tuple(outs)
+
+
+@MODELS.register_module()
+class FLattenPVTv2(PyramidVisionBackbone):
+    """FLatten-PVTv2: PVTv2 with Focused Linear Attention in every stage.
+
+    ``arch`` (``'b0'`` ... ``'b5'``, or a dict with the same keys):
+
+    ====  =================  ===========  =========  ===========
+    arch  embed_dims         depths       num_heads  mlp_ratios
+    ====  =================  ===========  =========  ===========
+    b0    32, 64, 160, 256   2, 2, 2, 2   1, 2, 5, 8  8, 8, 4, 4
+    b1    64, 128, 320, 512  2, 2, 2, 2   1, 2, 5, 8  8, 8, 4, 4
+    b2    64, 128, 320, 512  3, 4, 6, 3   1, 2, 5, 8  8, 8, 4, 4
+    b3    64, 128, 320, 512  3, 4, 18, 3  1, 2, 5, 8  8, 8, 4, 4
+    b4    64, 128, 320, 512  3, 8, 27, 3  1, 2, 5, 8  8, 8, 4, 4
+    b5    64, 128, 320, 512  3, 6, 40, 3  1, 2, 5, 8  4, 4, 4, 4
+    ====  =================  ===========  =========  ===========
+
+    Args:
+        arch: variant name or custom dict (keys ``embed_dims, depths, num_heads,
+            mlp_ratios``).
+        in_channels: image channels.
+        attn_cfg: attention config, one dict for all stages or one per stage. A dict
+            without ``type`` updates the default (FLA: ``sr_ratio=1, focusing_factor=3,
+            kernel_size=5``); with ``type`` it replaces it, e.g.
+            ``dict(type='SpatialReductionAttention', sr_ratio=2)`` for a softmax stage.
+        pretrain_img_size: resolution of the pretraining; fixes the stored grid of the
+            FLA positional tables, which are resized to the actual grid at run time.
+        qkv_bias: bias of the q/k/v projections.
+        drop_rate: dropout after projections and in the MLPs.
+        attn_drop_rate: attention-weight dropout (softmax stages).
+        drop_path_rate: stochastic depth, linearly increasing over all blocks.
+        linear: PVTv2-li mode (7x7 pooled keys, ReLU in the MLP).
+        out_indices: stages whose maps are returned (strides 4, 8, 16, 32).
+        frozen_stages: stages ``0..frozen_stages`` are frozen (-1: none).
+        with_cp: gradient checkpointing of every block (same outputs, less memory).
+        init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
+            checkpoint produced by ``tools/convert_checkpoint.py``.
+    """
+
+    arch_zoo = {
+        **dict.fromkeys(['b0'], dict(embed_dims=(32, 64, 160, 256), depths=(2, 2, 2, 2),
+                                     num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4))),
+        **dict.fromkeys(['b1'], dict(embed_dims=(64, 128, 320, 512), depths=(2, 2, 2, 2),
+                                     num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4))),
+        **dict.fromkeys(['b2'], dict(embed_dims=(64, 128, 320, 512), depths=(3, 4, 6, 3),
+                                     num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4))),
+        **dict.fromkeys(['b3'], dict(embed_dims=(64, 128, 320, 512), depths=(3, 4, 18, 3),
+                                     num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4))),
+        **dict.fromkeys(['b4'], dict(embed_dims=(64, 128, 320, 512), depths=(3, 8, 27, 3),
+                                     num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4))),
+        **dict.fromkeys(['b5'], dict(embed_dims=(64, 128, 320, 512), depths=(3, 6, 40, 3),
+                                     num_heads=(1, 2, 5, 8), mlp_ratios=(4, 4, 4, 4))),
+    }
+    default_attn_cfg = FLA
+
+
+@MODELS.register_module()
+class FLattenPVT(PyramidVisionBackbone):
+    """FLatten-PVT: PVT v1 (non-overlapping patch embeddings, absolute per-stage position
+    tables resized bilinearly to the stage grid, plain MLP, un-normalised outputs) with
+    Focused Linear Attention in every stage.
+
+    ``arch`` (aliases ``t``/``tiny``, ``s``/``small``, ``m``/``medium``, ``b``/``large``):
+
+    ========  =================  ============  ==========  ==========
+    arch      embed_dims         depths        num_heads   mlp_ratios
+    ========  =================  ============  ==========  ==========
+    tiny      64, 128, 320, 512  2, 2, 2, 2    1, 2, 5, 8  8, 8, 4, 4
+    small     64, 128, 320, 512  3, 4, 6, 3    1, 2, 5, 8  8, 8, 4, 4
+    medium    64, 128, 320, 512  3, 4, 18, 3   1, 2, 5, 8  8, 8, 4, 4
+    large(b)  64, 128, 320, 512  3, 8, 27, 3   1, 2, 5, 8  8, 8, 4, 4
+    ========  =================  ============  ==========  ==========
+
+    Inputs of any size are padded (bottom/right) to the patch stride of each stage, so
+    output sizes are ``ceil(H / stride)``. Arguments as ``FLattenPVTv2``.
+    """
+
+    _common = dict(embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8),
+                   mlp_ratios=(8, 8, 4, 4))
+    arch_zoo = {
+        **dict.fromkeys(['t', 'tiny'], dict(depths=(2, 2, 2, 2), **_common)),
+        **dict.fromkeys(['s', 'small'], dict(depths=(3, 4, 6, 3), **_common)),
+        **dict.fromkeys(['m', 'medium'], dict(depths=(3, 4, 18, 3), **_common)),
+        **dict.fromkeys(['b', 'base', 'l', 'large'], dict(depths=(3, 8, 27, 3), **_common)),
+    }
+    default_attn_cfg = FLA
+    overlap_patch_embed = False
+    use_abs_pos_embed = True
+    mlp_dwconv = False
+    stage_norm = False
+
+    def __init__(self, arch: Union[str, dict] = 'tiny', **kwargs) -> None:
+        super().__init__(arch=arch, **kwargs)

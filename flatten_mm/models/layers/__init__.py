@@ -1,0 +1,62 @@
+"""Attention operators and building blocks (plain PyTorch, no OpenMMLab imports).
+
+Every attention operator has the interface ``forward(x: (B, N, C), hw_shape) -> (B, N, C)``
+and the constructor arguments ``embed_dims, num_heads, qkv_bias, attn_drop, proj_drop``
+(plus its own). ``build_attention`` turns a config dict into an operator; it is what the
+backbones use for their per-stage ``attn_cfg``.
+"""
+import copy
+from typing import Callable, Dict, Type, Union
+
+import torch.nn as nn
+
+from .ffn import PVTMlp
+from .focused_linear_attention import FocusedLinearAttention
+from .patch_embed import PVTPatchEmbed
+from .pos_embed import resize_pos_table
+from .shape import nchw_to_nlc, nlc_to_nchw
+from .softmax_attention import SpatialReductionAttention
+
+ATTENTIONS: Dict[str, Type[nn.Module]] = {}
+
+
+def register_attention(cls: Type[nn.Module]) -> Type[nn.Module]:
+    """Make ``cls`` buildable by name (``'X'`` or ``'flatten_mm.X'``) in ``attn_cfg``."""
+    ATTENTIONS[cls.__name__] = cls
+    return cls
+
+
+for _cls in (FocusedLinearAttention, SpatialReductionAttention):
+    register_attention(_cls)
+
+
+def build_attention(cfg: Union[dict, Callable], **defaults) -> nn.Module:
+    """Build an attention operator.
+
+    Args:
+        cfg: ``dict(type=NAME_OR_CLASS, **kwargs)``; ``NAME`` may carry the
+            ``flatten_mm.`` scope prefix. Keys in ``cfg`` override ``defaults``.
+        **defaults: arguments the backbone supplies (``embed_dims``, ``num_heads``...).
+            A default is only passed when the operator's constructor accepts it.
+    """
+    import inspect
+    cfg = copy.deepcopy(dict(cfg))
+    if 'type' not in cfg:
+        raise ValueError(f'attention config needs a "type": {cfg}')
+    op = cfg.pop('type')
+    if isinstance(op, str):
+        name = op.split('.', 1)[1] if op.startswith('flatten_mm.') else op
+        if name not in ATTENTIONS:
+            raise KeyError(f'unknown attention type {op!r}; available: {sorted(ATTENTIONS)}')
+        op = ATTENTIONS[name]
+    params = inspect.signature(op.__init__).parameters
+    kwargs = {k: v for k, v in defaults.items() if k in params}
+    kwargs.update(cfg)
+    return op(**kwargs)
+
+
+__all__ = [
+    'ATTENTIONS', 'FocusedLinearAttention', 'PVTMlp', 'PVTPatchEmbed',
+    'SpatialReductionAttention', 'build_attention', 'nchw_to_nlc', 'nlc_to_nchw',
+    'register_attention', 'resize_pos_table'
+]

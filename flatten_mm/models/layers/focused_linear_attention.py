@@ -1,0 +1,217 @@
+"""Focused Linear Attention (FLA), the operator of FLatten Transformer.
+
+Paper: Han et al., "FLatten Transformer: Vision Transformer using Focused Linear
+Attention", ICCV 2023, https://arxiv.org/abs/2308.00442.
+Upstream: https://github.com/LeapLabTHU/FLatten-Transformer @ abdb115 (MIT licence);
+this is an independent re-implementation of the post-May-2024 numerics
+(``K^T V / n`` and the mean-of-K normaliser), see ``shared/spec/attention.md`` §1.
+
+Per token, with ``phi_p(x) = ||x|| / ||x^p|| * x^p`` applied to
+``ReLU(x) + 1e-6`` divided by ``softplus(scale)``::
+
+    out_i = sum_j (phi(q_i) . phi(k_j)) v_j / (sum_j phi(q_i) . phi(k_j) + n * 1e-6)
+            + DWC(V)_i
+
+The kernel (steps ReLU ... normaliser) always runs in float32, also under autocast:
+``(Q/s)^3`` overflows fp16 and the ``1e-6`` floor underflows it (FLatten#15, #32).
+No ``N x N`` tensor is formed: cost and memory are linear in the token count.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .pos_embed import resize_pos_table
+from .shape import nchw_to_nlc, nlc_to_nchw
+
+
+def focused_feature_map(x: torch.Tensor, scale: torch.Tensor,
+                        focusing_factor: int) -> torch.Tensor:
+    """The focused kernel ``phi_p`` on full-channel tokens (float32).
+
+    Args:
+        x: ``(B, N, C)`` queries or keys (positional encoding already added).
+        scale: raw learnable scale ``(1, 1, C)``; ``softplus`` is applied here.
+        focusing_factor: the power ``p``.
+
+    Returns:
+        ``(B, N, C)`` non-negative features whose per-token L2 norm equals that of
+        ``(ReLU(x) + 1e-6) / softplus(scale)``.
+    """
+    x = (F.relu(x) + 1e-6) / F.softplus(scale)
+    norm = x.norm(dim=-1, keepdim=True)
+    x = x ** focusing_factor
+    return x / x.norm(dim=-1, keepdim=True) * norm
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Normalised linear attention ``Q (K^T V / n) / (Q . mean(K) + 1e-6)``.
+
+    Args:
+        q: ``(B, h, N, d)`` non-negative query features.
+        k: ``(B, h, n, d)`` non-negative key features.
+        v: ``(B, h, n, d)`` values.
+
+    Returns:
+        ``(B, h, N, d)``.
+    """
+    n = k.shape[-2]
+    z = 1.0 / (q @ k.mean(dim=-2, keepdim=True).transpose(-2, -1) + 1e-6)
+    kv = (k.transpose(-2, -1) * n ** -0.5) @ (v * n ** -0.5)
+    return (q @ kv) * z
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, N, C)`` -> ``(B, h, N, C/h)`` with head-major channels."""
+    B, N, C = x.shape
+    return x.reshape(B, N, num_heads, C // num_heads).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(B, h, N, d)`` -> ``(B, N, h*d)``."""
+    B, h, N, d = x.shape
+    return x.transpose(1, 2).reshape(B, N, h * d)
+
+
+def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: torch.Tensor, num_heads: int,
+                        focusing_factor: int) -> torch.Tensor:
+    """Kernel + linear attention on full-channel tokens, computed in float32.
+
+    Args:
+        q: ``(B, N, C)`` queries.
+        k: ``(B, n, C)`` keys (positional encoding added).
+        v: ``(B, n, C)`` values.
+        scale: raw ``(1, 1, C)`` scale parameter.
+        num_heads: heads ``h`` (``C % h == 0``).
+        focusing_factor: power ``p``.
+
+    Returns:
+        ``(B, N, C)`` attention output in the dtype of ``v`` (without DWC).
+    """
+    out_dtype = v.dtype
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q = focused_feature_map(q.float(), scale.float(), focusing_factor)
+        k = focused_feature_map(k.float(), scale.float(), focusing_factor)
+        out = linear_attention(split_heads(q, num_heads), split_heads(k, num_heads),
+                               split_heads(v.float(), num_heads))
+    return merge_heads(out).to(out_dtype)
+
+
+class FocusedLinearAttention(nn.Module):
+    """FLA with PVT-style projections (``q``, ``kv``), as in FLatten-PVT / -PVTv2.
+
+    Args:
+        embed_dims: channels ``C``.
+        num_heads: heads ``h``; the DWC is shared by all heads (``C/h`` channels).
+        qkv_bias: bias of ``q`` and ``kv``.
+        attn_drop: accepted for interface uniformity; must be 0 (FLA has no
+            attention matrix to drop).
+        proj_drop: dropout after ``proj``.
+        sr_ratio: spatial reduction of keys/values (strided conv + LayerNorm).
+        linear: PVTv2-li reduction (adaptive 7x7 pooling, 1x1 conv, LayerNorm, GELU)
+            instead of ``sr_ratio``.
+        focusing_factor: focusing power ``p``.
+        kernel_size: DWC kernel size ``k``.
+        pretrain_hw_shape: stage grid ``(H, W)`` at the pretraining resolution; the
+            stored ``positional_encoding`` covers the key grid of that resolution
+            (``H*W // sr^2`` tokens, or 49 with ``linear``) and is resized to the
+            actual key grid at run time.
+        pe_interp_mode: ``'bilinear'`` or ``'bicubic'`` resizing of the table.
+    """
+
+    def __init__(self,
+                 embed_dims: int,
+                 num_heads: int,
+                 qkv_bias: bool = True,
+                 attn_drop: float = 0.,
+                 proj_drop: float = 0.,
+                 sr_ratio: int = 1,
+                 linear: bool = False,
+                 focusing_factor: int = 3,
+                 kernel_size: int = 5,
+                 pretrain_hw_shape: Tuple[int, int] = (56, 56),
+                 pe_interp_mode: str = 'bilinear') -> None:
+        super().__init__()
+        if embed_dims % num_heads != 0:
+            raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
+        if attn_drop != 0:
+            raise NotImplementedError('FocusedLinearAttention has no attention-map dropout')
+        if sr_ratio < 1:
+            raise ValueError(f'sr_ratio must be >= 1, got {sr_ratio}')
+        if pe_interp_mode not in ('bilinear', 'bicubic'):
+            raise ValueError(f"pe_interp_mode must be 'bilinear' or 'bicubic', got {pe_interp_mode!r}")
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.head_dims = embed_dims // num_heads
+        self.sr_ratio = sr_ratio
+        self.linear = linear
+        self.focusing_factor = focusing_factor
+        self.pe_interp_mode = pe_interp_mode
+
+        self.q = nn.Linear(embed_dims, embed_dims, bias=qkv_bias)
+        self.kv = nn.Linear(embed_dims, 2 * embed_dims, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if linear:
+            self.pool = nn.AdaptiveAvgPool2d(7)
+            self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=1, stride=1)
+            self.norm = nn.LayerNorm(embed_dims)
+            self.act = nn.GELU()
+        elif sr_ratio > 1:
+            self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=sr_ratio, stride=sr_ratio)
+            self.norm = nn.LayerNorm(embed_dims)
+        # the official table has num_patches // sr^2 tokens: the key grid at pretraining
+        self.pe_hw_shape = (pretrain_hw_shape[0] // sr_ratio, pretrain_hw_shape[1] // sr_ratio)
+        if linear and self.pe_hw_shape != (7, 7):
+            raise ValueError('linear=True reduces keys to a 7x7 grid, so the positional encoding '
+                             f'must have 49 tokens; pretrain_hw_shape={pretrain_hw_shape} with '
+                             f'sr_ratio={sr_ratio} gives {self.pe_hw_shape}')
+        self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
+        self.positional_encoding = nn.Parameter(
+            torch.zeros(1, self.pe_hw_shape[0] * self.pe_hw_shape[1], embed_dims))
+        self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size=kernel_size,
+                             groups=self.head_dims, padding=kernel_size // 2)
+
+    def reduce_kv_input(self, x: torch.Tensor, hw_shape: Tuple[int, int]
+                        ) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Tokens that produce K and V, with their grid."""
+        if self.linear:
+            x_ = self.pool(nlc_to_nchw(x, hw_shape))
+            x_ = self.act(self.norm(nchw_to_nlc(self.sr(x_))))
+            return x_, (7, 7)
+        if self.sr_ratio > 1:
+            x_ = self.sr(nlc_to_nchw(x, hw_shape))
+            kv_hw = (x_.shape[2], x_.shape[3])
+            if kv_hw[0] == 0 or kv_hw[1] == 0:
+                raise ValueError(f'feature map {hw_shape} is smaller than sr_ratio {self.sr_ratio}')
+            return self.norm(nchw_to_nlc(x_)), kv_hw
+        return x, hw_shape
+
+    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
+        B, N, C = x.shape
+        q = self.q(x)
+        x_kv, kv_hw = self.reduce_kv_input(x, hw_shape)
+        k, v = self.kv(x_kv).chunk(2, dim=-1)
+        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
+                              self.pe_interp_mode)
+        k = k + pe
+        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor)
+
+        # rank restoration: depthwise conv on V (heads folded into the batch)
+        n = v.shape[1]
+        h, d = self.num_heads, self.head_dims
+        v_img = v.reshape(B, n, h, d).permute(0, 2, 3, 1).reshape(B * h, d, n)
+        if n != N:
+            v_img = F.interpolate(v_img, size=N, mode='linear', align_corners=False)
+        v_img = v_img.reshape(B * h, d, hw_shape[0], hw_shape[1])
+        dwc = self.dwc(v_img).reshape(B, C, N).transpose(1, 2)
+        out = out + dwc.to(out.dtype)
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
+                f'sr_ratio={self.sr_ratio}, linear={self.linear}, p={self.focusing_factor}, '
+                f'pe_grid={self.pe_hw_shape}')

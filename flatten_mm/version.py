@@ -1,0 +1,3 @@
+"""Version of flatten_mm."""
+
+__version__ = '0.1.0'

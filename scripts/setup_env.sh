@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One-command environment for flatten_mm: fresh clone -> working venv.
+#
+#   bash scripts/setup_env.sh            # creates ./.venv (or $FLATTEN_MM_VENV)
+#
+# Why it is not a plain `pip install -e .`:
+# * mmdet 3.3.0 / mmseg 1.2.2 (latest) require 2.0.0rc4 <= mmcv < 2.2.0, and mmcv 2.1.0
+#   ships only as a source distribution. Its compiled ops (nms, roi_align, ...) are needed
+#   at import time by mmdet/mmseg. We build it once against the installed torch
+#   (C++20 for torch >= 2.14 headers, setuptools < 82 for pkg_resources,
+#   --no-build-isolation) and cache the wheel in $FLATTEN_MM_CACHE (default
+#   ~/.cache/flatten_mm/wheels), outside the checkout, so later runs and CI reuse it.
+# * mmdet / mmseg are installed with --no-deps because their own requirement pins are
+#   ancient; their runtime needs are listed as extras of our setup.py.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FLATTEN_MM_VENV:-$ROOT/.venv}"
+CACHE="${FLATTEN_MM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/flatten_mm/wheels}"
+PY="${PYTHON:-python3}"
+
+TORCH_VERSION=2.14.1
+TORCHVISION_VERSION=0.29.1
+MMCV_VERSION=2.1.0
+
+t0=$(date +%s)
+log() { echo "[setup_env +$(( $(date +%s) - t0 ))s] $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv at $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+PIP=("$VPY" -m pip --disable-pip-version-check)
+
+"${PIP[@]}" install -q --upgrade pip 'setuptools<82' wheel ninja
+
+have() { "$VPY" - "$@" <<'PYEOF'
+import sys
+from importlib import metadata
+name, version = sys.argv[1], sys.argv[2]
+try:
+    sys.exit(0 if metadata.version(name) == version else 1)
+except metadata.PackageNotFoundError:
+    sys.exit(1)
+PYEOF
+}
+
+if ! have torch "$TORCH_VERSION" || ! have torchvision "$TORCHVISION_VERSION"; then
+  log "installing torch $TORCH_VERSION / torchvision $TORCHVISION_VERSION"
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+fi
+
+if ! have mmcv "$MMCV_VERSION" || ! "$VPY" -c 'import mmcv.ops' 2>/dev/null; then
+  mkdir -p "$CACHE"
+  TV=$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')
+  WHEEL_DIR="$CACHE/mmcv-$MMCV_VERSION-torch$TV"
+  WHEEL=$(ls "$WHEEL_DIR"/mmcv-"$MMCV_VERSION"-*.whl 2>/dev/null | head -n1 || true)
+  if [ -z "$WHEEL" ]; then
+    log "building mmcv $MMCV_VERSION with ops against torch $TV (once; ~15 min on 2 cores)"
+    BUILD=$(mktemp -d)
+    "${PIP[@]}" download -q --no-deps --no-build-isolation --no-binary :all: "mmcv==$MMCV_VERSION" -d "$BUILD"
+    tar -xzf "$BUILD"/mmcv-"$MMCV_VERSION".tar.gz -C "$BUILD"
+    SRC="$BUILD/mmcv-$MMCV_VERSION"
+    sed -i -e 's/-std=c++14/-std=c++20/g' -e 's/-std=c++17/-std=c++20/g' "$SRC/setup.py"
+    mkdir -p "$WHEEL_DIR.partial"
+    (cd "$SRC" && MMCV_WITH_OPS=1 FORCE_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" \
+      "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$WHEEL_DIR.partial" .)
+    rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.partial" "$WHEEL_DIR"
+    rm -rf "$BUILD"
+    WHEEL=$(ls "$WHEEL_DIR"/mmcv-"$MMCV_VERSION"-*.whl | head -n1)
+  else
+    log "reusing cached mmcv wheel $WHEEL"
+  fi
+  "${PIP[@]}" install -q "$WHEEL"
+fi
+
+if ! have mmdet 3.3.0 || ! have mmsegmentation 1.2.2; then
+  log "installing mmdet 3.3.0 and mmsegmentation 1.2.2 (--no-deps)"
+  "${PIP[@]}" install -q --no-deps mmdet==3.3.0 mmsegmentation==1.2.2
+fi
+
+log "installing flatten_mm (editable) with extras det,seg,dev"
+"${PIP[@]}" install -q --no-build-isolation -e "$ROOT[det,seg,dev]"
+
+"$VPY" - <<'PYEOF'
+import mmcv, mmcv.ops, mmdet, mmseg, mmengine, timm, torch
+import flatten_mm
+print(f'torch {torch.__version__} | mmcv {mmcv.__version__} (ops ok) | mmengine {mmengine.__version__} | '
+      f'mmdet {mmdet.__version__} | mmseg {mmseg.__version__} | timm {timm.__version__} | flatten_mm {flatten_mm.__version__}')
+PYEOF
+log "done: activate with 'source $VENV/bin/activate'"
