@@ -6,7 +6,7 @@ this package is imported here, so ``CONVERTERS`` lists them all.
 import importlib
 import pkgutil
 
-from .common import (CONVERTERS, SIGNATURES, ConvertResult, guess_family, key_mismatch_report,
+from .common import (BACKBONES, CONVERTERS, SIGNATURES, ConvertResult, guess_family, key_mismatch_report,
                      register_converter, rename, unwrap_checkpoint)
 
 for _mod in pkgutil.iter_modules(__path__):
@@ -14,6 +14,6 @@ for _mod in pkgutil.iter_modules(__path__):
         importlib.import_module(f'{__name__}.{_mod.name}')
 
 __all__ = [
-    'CONVERTERS', 'SIGNATURES', 'ConvertResult', 'guess_family', 'key_mismatch_report',
+    'BACKBONES', 'CONVERTERS', 'SIGNATURES', 'ConvertResult', 'guess_family', 'key_mismatch_report',
     'register_converter', 'rename', 'unwrap_checkpoint'
 ]

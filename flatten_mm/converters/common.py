@@ -12,14 +12,20 @@ ConvertResult = Tuple[StateDict, List[str]]
 CONVERTERS: Dict[str, Callable[[Mapping[str, torch.Tensor]], ConvertResult]] = {}
 #: family name -> predicate telling whether an (unwrapped) official state dict looks like it
 SIGNATURES: Dict[str, Callable[[Mapping[str, torch.Tensor]], bool]] = {}
+#: family name -> name of the flatten_mm backbone class the converted dict loads into
+BACKBONES: Dict[str, str] = {}
 
 
-def register_converter(family: str, signature: Callable[[Mapping], bool]):
-    """Decorator registering a converter and the key signature of its family."""
+def register_converter(family: str, signature: Callable[[Mapping], bool],
+                       backbone: Optional[str] = None):
+    """Decorator registering a converter, the key signature of its family and (optionally)
+    the flatten_mm backbone class its output is for."""
 
     def wrap(fn):
         CONVERTERS[family] = fn
         SIGNATURES[family] = signature
+        if backbone is not None:
+            BACKBONES[family] = backbone
         return fn
 
     return wrap

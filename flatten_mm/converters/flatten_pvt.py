@@ -48,13 +48,13 @@ def _is_flatten_pvt(sd: Mapping) -> bool:
     return 'pos_embed1' in sd and any(k.startswith('block1.') for k in sd)
 
 
-@register_converter('flatten_pvt_v2', _is_flatten_pvt_v2)
+@register_converter('flatten_pvt_v2', _is_flatten_pvt_v2, backbone='FLattenPVTv2')
 def convert_flatten_pvt_v2(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Official FLatten-PVTv2 -> ``FLattenPVTv2``."""
     return convert_pvt_family(state_dict)
 
 
-@register_converter('flatten_pvt', _is_flatten_pvt)
+@register_converter('flatten_pvt', _is_flatten_pvt, backbone='FLattenPVT')
 def convert_flatten_pvt(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Official FLatten-PVT (v1) -> ``FLattenPVT``."""
     return convert_pvt_family(state_dict)

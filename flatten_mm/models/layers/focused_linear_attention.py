@@ -16,6 +16,7 @@ The kernel (steps ReLU ... normaliser) always runs in float32, also under autoca
 ``(Q/s)^3`` overflows fp16 and the ``1e-6`` floor underflows it (FLatten#15, #32).
 No ``N x N`` tensor is formed: cost and memory are linear in the token count.
 """
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 from .pos_embed import resize_pos_table
 from .shape import nchw_to_nlc, nlc_to_nchw
+from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
+                     window_reverse)
 
 
 def focused_feature_map(x: torch.Tensor, scale: torch.Tensor,
@@ -174,6 +177,20 @@ class FocusedLinearAttention(nn.Module):
         self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size=kernel_size,
                              groups=self.head_dims, padding=kernel_size // 2)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A table stored for another pretraining grid (e.g. a 384 fine-tuned checkpoint)
+        # is resized to this module's grid at load time (bicubic, as FLatten's own
+        # 224 -> 384 loader does); the run-time resize then starts from this grid.
+        key = prefix + 'positional_encoding'
+        table = state_dict.get(key)
+        if table is not None and table.shape[1] != self.positional_encoding.shape[1] \
+                and table.shape[-1] == self.positional_encoding.shape[-1]:
+            side = math.isqrt(table.shape[1])
+            if side * side == table.shape[1]:
+                state_dict[key] = resize_pos_table(table, (side, side), self.pe_hw_shape,
+                                                   mode='bicubic')
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def reduce_kv_input(self, x: torch.Tensor, hw_shape: Tuple[int, int]
                         ) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Tokens that produce K and V, with their grid."""
@@ -215,3 +232,217 @@ class FocusedLinearAttention(nn.Module):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
                 f'sr_ratio={self.sr_ratio}, linear={self.linear}, p={self.focusing_factor}, '
                 f'pe_grid={self.pe_hw_shape}')
+
+
+# ----------------------------------------------------------------------------------------
+# FLA on q/k/v tokens: FLatten-Swin (one ``qkv`` projection, global or windowed) and
+# FLatten-CSwin (q/k/v come from the block's ``qkv``; LePE on V).
+
+
+def depthwise_conv_heads(conv: nn.Conv2d, v: torch.Tensor, hw_shape: Tuple[int, int],
+                         num_heads: int) -> torch.Tensor:
+    """FLA rank restoration: a depth-wise conv shared by all heads, applied to V.
+
+    Args:
+        conv: conv with ``C/h`` channels (``groups = C/h``).
+        v: ``(B, N, C)`` values of the ``hw_shape`` grid, head-major channels.
+        hw_shape: ``(H, W)``.
+        num_heads: ``h``.
+
+    Returns:
+        ``(B, N, C)`` (heads folded into the batch for the conv, merged back head-major).
+    """
+    B, N, C = v.shape
+    H, W = hw_shape
+    d = C // num_heads
+    img = v.reshape(B, N, num_heads, d).permute(0, 2, 3, 1).reshape(B * num_heads, d, H, W)
+    return conv(img).reshape(B, C, N).transpose(1, 2)
+
+
+class _FocusedLinearRegion(nn.Module):
+    """Parameters and maths of FLA on given q, k, v tokens of one region (no projections).
+
+    The region is the whole map, a window or a stripe; ``hw_shape`` is its grid::
+
+        out = FLA(q, k + PE, v) + DWC(v) [+ LePE(v)]
+
+    ``PE`` (``positional_encoding``) is stored for the region grid at pretraining and
+    resized to ``hw_shape`` at run time (the stored table is used as is at that grid).
+    Shared by ``FocusedLinearQKV`` (a FLatten-CSwin branch) and
+    ``FocusedLinearAttentionQKV`` (FLatten-Swin), so both keep the official parameter
+    names (``scale``, ``positional_encoding``, ``dwc``, ``get_v``).
+
+    Args:
+        embed_dims: channels ``Cm`` of q, k, v.
+        num_heads: heads ``h``; the kernel normalises over all ``Cm`` channels, the
+            linear attention is per head; ``dwc`` has ``Cm/h`` channels, shared by heads.
+        focusing_factor: focusing power ``p``.
+        kernel_size: DWC kernel size.
+        pretrain_hw_shape: grid of the region at the pretraining resolution (size of
+            the stored positional table).
+        lepe: add CSWin's locally-enhanced positional encoding ``get_v`` (3x3 depth-wise
+            conv with bias on the V map of the region).
+        pe_interp_mode: ``'bilinear'`` or ``'bicubic'`` resizing of the table.
+    """
+
+    def __init__(self,
+                 embed_dims: int,
+                 num_heads: int,
+                 focusing_factor: int = 3,
+                 kernel_size: int = 5,
+                 pretrain_hw_shape: Tuple[int, int] = (56, 56),
+                 lepe: bool = False,
+                 pe_interp_mode: str = 'bilinear') -> None:
+        super().__init__()
+        if embed_dims % num_heads != 0:
+            raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
+        if pe_interp_mode not in ('bilinear', 'bicubic'):
+            raise ValueError(f"pe_interp_mode must be 'bilinear' or 'bicubic', got {pe_interp_mode!r}")
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.head_dims = embed_dims // num_heads
+        self.focusing_factor = focusing_factor
+        self.pe_interp_mode = pe_interp_mode
+        self.pe_hw_shape = (int(pretrain_hw_shape[0]), int(pretrain_hw_shape[1]))
+        self.scale = nn.Parameter(torch.zeros(1, 1, embed_dims))
+        self.positional_encoding = nn.Parameter(
+            torch.zeros(1, self.pe_hw_shape[0] * self.pe_hw_shape[1], embed_dims))
+        self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size=kernel_size,
+                             groups=self.head_dims, padding=kernel_size // 2)
+        self.get_v = nn.Conv2d(embed_dims, embed_dims, kernel_size=3, padding=1,
+                               groups=embed_dims) if lepe else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a square table of another pretraining grid (e.g. 224 weights in a 384 model) is
+        # resized bicubically to this module's grid at load time, like FLatten's loader
+        key = prefix + 'positional_encoding'
+        table = state_dict.get(key)
+        own = self.positional_encoding
+        if table is not None and table.dim() == 3 and table.shape[1] != own.shape[1] \
+                and table.shape[-1] == own.shape[-1]:
+            side = math.isqrt(table.shape[1])
+            if side * side == table.shape[1]:
+                state_dict[key] = resize_pos_table(table, (side, side), self.pe_hw_shape,
+                                                   mode='bicubic')
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def attend_region(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """Args: q, k, v ``(B, N, Cm)`` tokens of a region with grid ``hw_shape``.
+        Returns ``(B, N, Cm)``."""
+        N = q.shape[1]
+        if N != hw_shape[0] * hw_shape[1]:
+            raise ValueError(f'token count {N} does not match hw_shape {tuple(hw_shape)}')
+        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
+                              self.pe_interp_mode)
+        out = focused_linear_core(q, k + pe, v, self.scale, self.num_heads,
+                                  self.focusing_factor)
+        out = out + depthwise_conv_heads(self.dwc, v, hw_shape, self.num_heads).to(out.dtype)
+        if self.get_v is not None:
+            lepe = nchw_to_nlc(self.get_v(nlc_to_nchw(v, hw_shape)))
+            out = out + lepe.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
+                f'p={self.focusing_factor}, pe_grid={self.pe_hw_shape}, '
+                f'lepe={self.get_v is not None}')
+
+
+class FocusedLinearQKV(_FocusedLinearRegion):
+    """Focused linear attention on given q, k, v tokens of one region: a FLatten-CSwin
+    branch (``lepe=True``), see ``lepe_attention.CrossShapedAttention``.
+
+    Arguments as ``_FocusedLinearRegion``: ``embed_dims, num_heads, focusing_factor,
+    kernel_size, pretrain_hw_shape`` (region grid at pretraining), ``lepe``,
+    ``pe_interp_mode``.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """Args: q, k, v ``(B, N, Cm)`` tokens of a region with grid ``hw_shape``.
+        Returns ``(B, N, Cm)`` (before the block's projection)."""
+        return self.attend_region(q, k, v, hw_shape)
+
+
+class FocusedLinearAttentionQKV(_FocusedLinearRegion):
+    """FLA with one ``qkv`` projection (FLatten-Swin's linear blocks), global or windowed.
+
+    * ``window_size=None`` (default; the released models at 224/384, where the
+      linear-attention window covers the whole stage): global attention over all tokens
+      of the unpadded ``(H, W)`` map; the positional table (stage grid at pretraining,
+      ``pretrain_hw_shape``) is resized to ``(H, W)``.
+    * ``window_size=w``: FLA inside ``w x w`` windows (map zero-padded at the
+      bottom/right to multiples of ``w``; padded tokens take part). With ``shift`` the
+      map is cyclically shifted by ``w // 2`` along each axis holding more than one
+      window, **without** a mask, as in the official code (``shared/spec/attention.md``
+      §1.3.2). The table covers one window (``w x w``) and is used as is.
+
+    Args:
+        embed_dims: channels ``C``.
+        num_heads: heads ``h``.
+        qkv_bias: bias of ``qkv``.
+        attn_drop: must be 0 (FLA has no attention matrix to drop).
+        proj_drop: dropout after ``proj``.
+        window_size: ``None`` (global) or the window side.
+        shift: shifted windows (odd blocks); a single window (always the case for
+            ``window_size=None``) is never shifted.
+        focusing_factor: focusing power ``p``.
+        kernel_size: DWC kernel size.
+        pretrain_hw_shape: stage grid at the pretraining resolution (global mode).
+        pe_interp_mode: ``'bilinear'`` or ``'bicubic'``.
+    """
+
+    def __init__(self,
+                 embed_dims: int,
+                 num_heads: int,
+                 qkv_bias: bool = True,
+                 attn_drop: float = 0.,
+                 proj_drop: float = 0.,
+                 window_size: Optional[int] = None,
+                 shift: bool = False,
+                 focusing_factor: int = 3,
+                 kernel_size: int = 5,
+                 pretrain_hw_shape: Tuple[int, int] = (56, 56),
+                 pe_interp_mode: str = 'bilinear') -> None:
+        if attn_drop != 0:
+            raise NotImplementedError('FocusedLinearAttentionQKV has no attention-map dropout')
+        if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+            raise ValueError(f'window_size must be None or a positive int, got {window_size!r}')
+        region = pretrain_hw_shape if window_size is None else (window_size, window_size)
+        super().__init__(embed_dims, num_heads, focusing_factor=focusing_factor,
+                         kernel_size=kernel_size, pretrain_hw_shape=region, lepe=False,
+                         pe_interp_mode=pe_interp_mode)
+        self.window_size = window_size
+        self.shift = shift
+        self.qkv = nn.Linear(embed_dims, 3 * embed_dims, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def attend(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """``qkv`` -> FLA -> ``proj`` on tokens ``(B, N, C)`` of one region ``hw_shape``."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        out = self.attend_region(q, k, v, hw_shape)
+        return self.proj_drop(self.proj(out))
+
+    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        if N != H * W:
+            raise ValueError(f'token count {N} does not match hw_shape {tuple(hw_shape)}')
+        if self.window_size is None:
+            return self.attend(x, (H, W))
+        w = (self.window_size, self.window_size)
+        x, pads = pad_to_multiple(x.reshape(B, H, W, C), w)
+        padded = (x.shape[1], x.shape[2])
+        shift = effective_shift(padded, w, (self.window_size // 2, ) * 2 if self.shift else (0, 0))
+        if any(shift):
+            x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+        x = window_reverse(self.attend(window_partition(x, w), w), w, padded)
+        if any(shift):
+            x = torch.roll(x, shifts=shift, dims=(1, 2))
+        return crop_padding(x, pads).reshape(B, N, C)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f', window_size={self.window_size}, shift={self.shift}'

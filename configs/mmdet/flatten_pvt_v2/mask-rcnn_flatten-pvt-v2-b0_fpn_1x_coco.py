@@ -1,0 +1,32 @@
+# Mask R-CNN 1x, FLatten-PVTv2-b0 backbone (PVTv2 protocol: AdamW 1e-4, wd 1e-4,
+# batch 16, single-scale 1333x800; recipe inferred, see README.md).
+_base_ = [
+    'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
+    'mmdet::_base_/datasets/coco_instance.py',
+    'mmdet::_base_/schedules/schedule_1x.py',
+    'mmdet::_base_/default_runtime.py',
+]
+custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+
+model = dict(
+    backbone=dict(
+        _delete_=True,
+        type='flatten_mm.FLattenPVTv2',
+        arch='b0',
+        drop_path_rate=0.1,
+        out_indices=(0, 1, 2, 3),
+        # convert the official ImageNet weights first:
+        # python tools/convert_checkpoint.py flatten_pvt_v2_b0.pth \
+        #     checkpoints/flatten-pvt-v2-b0_in1k.pth --family flatten_pvt_v2 --arch b0
+        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b0_in1k.pth')),
+    neck=dict(in_channels=[32, 64, 160, 256]))
+
+optim_wrapper = dict(
+    _delete_=True,
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4),
+    paramwise_cfg=dict(custom_keys={
+        'norm': dict(decay_mult=0.),
+        'positional_encoding': dict(decay_mult=0.),
+        'attn.scale': dict(decay_mult=0.),
+    }))

@@ -1,0 +1,7 @@
+_base_ = './fpn_flatten-pvt-v2-b0_4xb4-80k_ade20k-512x512.py'
+
+model = dict(
+    backbone=dict(
+        arch='b2',
+        init_cfg=dict(checkpoint='checkpoints/flatten-pvt-v2-b2_in1k.pth')),
+    neck=dict(in_channels=[64, 128, 320, 512]))

@@ -1,0 +1,56 @@
+"""Shared test settings: seeds, thread count, the location of ../shared."""
+import os
+import os.path as osp
+
+import pytest
+import torch
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+SHARED_DIR = os.environ.get('FLATTEN_MM_SHARED', osp.join(osp.dirname(REPO_ROOT), 'shared'))
+FIXTURES_DIR = osp.join(SHARED_DIR, 'fixtures')
+
+
+def shared_fixtures(pattern: str = '*.pt'):
+    """Fixture files of ../shared/fixtures matching ``pattern`` (empty when absent)."""
+    import glob
+    return sorted(glob.glob(osp.join(FIXTURES_DIR, pattern)))
+
+
+def requires_shared():
+    return pytest.mark.skipif(
+        not osp.isdir(FIXTURES_DIR),
+        reason=f'golden fixtures not found at {FIXTURES_DIR} (../shared is only present in the '
+        'development/CI checkout; set FLATTEN_MM_SHARED to point elsewhere)')
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+KEY_LISTINGS_DIR = osp.join(SHARED_DIR, 'spec', 'state_dict_keys')
+
+_DTYPES = {'float32': torch.float32, 'int64': torch.int64, 'float64': torch.float64}
+
+
+def load_key_listing(name: str):
+    """A zero-filled official state dict built from ``spec/state_dict_keys/<name>.txt``
+    (key, shape and dtype of every entry); skips the test when ../shared is absent."""
+    path = osp.join(KEY_LISTINGS_DIR, f'{name}.txt')
+    if not osp.isfile(path):
+        pytest.skip(f'official key listing {path} not found (../shared absent)')
+    state = {}
+    with open(path) as f:
+        for line in f:
+            if line.startswith('#') or not line.strip():
+                continue
+            key, shape, dtype = line.rstrip('\n').split('\t')
+            dims = [int(s) for s in shape.strip('[]').split(',') if s.strip()]
+            state[key] = torch.zeros(dims, dtype=_DTYPES[dtype])
+    return state
+
+
+@pytest.fixture
+def official_listing():
+    """Fixture form of ``load_key_listing`` (call it with the listing name)."""
+    return load_key_listing

@@ -1,0 +1,131 @@
+"""PVT-family skeleton: FLattenPVTv2 and FLattenPVT with tiny archs."""
+import math
+
+import pytest
+import torch
+
+from flatten_mm.models import FLattenPVT, FLattenPVTv2
+
+TINY = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+            mlp_ratios=(2, 2, 2, 2))
+CLASSES = [FLattenPVTv2, FLattenPVT]
+
+
+def expected_shapes(model, hw, batch=1):
+    return [(batch, c, math.ceil(hw[0] / s), math.ceil(hw[1] / s))
+            for c, s in zip(model.out_channels, model.out_strides)]
+
+
+@pytest.mark.parametrize('cls', CLASSES)
+@pytest.mark.parametrize('hw', [(33, 47), (64, 64), (227, 353), (17, 9)])
+def test_shapes_follow_declared_strides(cls, hw):
+    model = cls(arch=TINY, pretrain_img_size=64).eval()
+    with torch.no_grad():
+        outs = model(torch.randn(1, 3, *hw))
+    assert [tuple(o.shape) for o in outs] == expected_shapes(model, hw)
+
+
+@pytest.mark.parametrize('cls', CLASSES)
+@pytest.mark.parametrize('out_indices', [(0, 1, 2, 3), (1, 3), (2, )])
+def test_out_indices(cls, out_indices):
+    model = cls(arch=TINY, out_indices=out_indices).eval()
+    outs = model(torch.randn(1, 3, 64, 96))
+    assert len(outs) == len(out_indices) == len(model.out_channels)
+    assert model.out_strides == tuple(4 * 2**i for i in out_indices)
+
+
+@pytest.mark.parametrize('cls', CLASSES)
+def test_gradients_reach_every_parameter(cls):
+    model = cls(arch=TINY, drop_path_rate=0.).train()
+    model.init_weights()
+    outs = model(torch.randn(2, 3, 48, 80))
+    sum(o.square().mean() for o in outs).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
+    assert not missing
+
+
+@pytest.mark.parametrize('cls', CLASSES)
+def test_with_cp_is_output_identical(cls):
+    torch.manual_seed(0)
+    ref = cls(arch=TINY, drop_path_rate=0.).train()
+    cp = cls(arch=TINY, drop_path_rate=0., with_cp=True).train()
+    cp.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 3, 40, 56, requires_grad=True)
+    out_ref = ref(x)
+    out_cp = cp(x)
+    for a, b in zip(out_ref, out_cp):
+        torch.testing.assert_close(a, b)
+    sum(o.sum() for o in out_cp).backward()
+    g_cp = {n: p.grad.clone() for n, p in cp.named_parameters()}
+    sum(o.sum() for o in out_ref).backward()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(p.grad, g_cp[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('cls', CLASSES)
+def test_frozen_stages(cls):
+    model = cls(arch=TINY, frozen_stages=1)
+    model.train()
+    for i, stage in enumerate(model.stages):
+        grads = {p.requires_grad for p in stage.parameters()}
+        assert grads == ({False} if i <= 1 else {True})
+        assert stage.training == (i > 1)
+
+
+def test_attention_mix_per_stage():
+    """Any attention op in any stage: FLA with SR, softmax SR, PVTv2-li."""
+    cfgs = [dict(sr_ratio=2),
+            dict(type='SpatialReductionAttention', sr_ratio=2),
+            dict(type='flatten_mm.SpatialReductionAttention', sr_ratio=1),
+            dict(type='FocusedLinearAttention', kernel_size=3)]
+    model = FLattenPVTv2(arch=TINY, attn_cfg=cfgs).eval()
+    kinds = [type(s.blocks[0].attn).__name__ for s in model.stages]
+    assert kinds == ['FocusedLinearAttention', 'SpatialReductionAttention',
+                     'SpatialReductionAttention', 'FocusedLinearAttention']
+    assert model.stages[0].blocks[0].attn.sr_ratio == 2
+    assert model.stages[3].blocks[0].attn.dwc.kernel_size == (3, 3)
+    outs = model(torch.randn(1, 3, 70, 50))
+    assert [tuple(o.shape) for o in outs] == expected_shapes(model, (70, 50))
+
+
+def test_linear_mode():
+    model = FLattenPVTv2(arch=TINY, linear=True, pretrain_img_size=224,
+                         attn_cfg=[dict(sr_ratio=s) for s in (8, 4, 2, 1)]).eval()
+    outs = model(torch.randn(1, 3, 100, 60))
+    assert [tuple(o.shape) for o in outs] == expected_shapes(model, (100, 60))
+
+
+def test_padding_of_pvt_v1_patch_embed_does_not_leak():
+    """PVT v1 pads to the patch stride: an input that is already a multiple is unchanged
+    by appending and cropping."""
+    model = FLattenPVT(arch=TINY).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        a = model(x)
+    assert [tuple(o.shape) for o in a] == expected_shapes(model, (64, 64))
+
+
+@pytest.mark.parametrize('bad,match', [
+    (dict(arch='b9'), 'valid archs: b0, b1'),
+    (dict(arch=dict(embed_dims=(8, ) * 4)), 'missing'),
+    (dict(out_indices=(0, 4)), 'out_indices entry 4'),
+    (dict(frozen_stages=4), 'frozen_stages'),
+    (dict(attn_cfg=[dict()] * 3), 'attn_cfg has 3 entries'),
+    (dict(attn_cfg=dict(type='NoSuchAttention')), 'unknown attention type'),
+])
+def test_bad_arguments_raise_clear_errors(bad, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        FLattenPVTv2(**{'arch': TINY, **bad})
+
+
+def test_wrong_input_channels():
+    model = FLattenPVTv2(arch=TINY)
+    with pytest.raises(ValueError, match='3 input channels, got an input with 1'):
+        model(torch.randn(1, 1, 32, 32))
+
+
+def test_arch_aliases_and_param_count():
+    # official counts without the classification head (spec backbones.md §1.1-1.2)
+    assert abs(sum(p.numel() for p in FLattenPVTv2('b0').parameters()) / 1e6 - 3.34) < 0.01
+    assert abs(sum(p.numel() for p in FLattenPVT('tiny').parameters()) / 1e6 - 11.64) < 0.02
+    assert FLattenPVT('t').depths == FLattenPVT('tiny').depths

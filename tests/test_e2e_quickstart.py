@@ -1,0 +1,99 @@
+"""End to end: the quick-start configs through tools/train.py and tools/test.py on the
+bundled real COCO / ADE20K images, and a resume from a saved checkpoint."""
+import glob
+import json
+import math
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+DET = 'configs/quickstart/mask-rcnn_flatten-pvt-v2-b0_fpn_quickstart_coco-mini.py'
+SEG = 'configs/quickstart/fpn_flatten-pvt-v2-b0_quickstart_ade20k-mini.py'
+
+
+def run(args, timeout=900):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    proc = subprocess.run([sys.executable] + args, cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f'{args}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}'
+    return proc.stdout + proc.stderr
+
+
+def scalars(work_dir):
+    """Records of mmengine's vis_data/scalars.json of the latest run in work_dir."""
+    files = sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')))
+    assert files, f'no scalars.json under {work_dir}'
+    with open(files[-1]) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_test_metrics(work_dir):
+    files = sorted(glob.glob(osp.join(work_dir, '*', '*.json')))
+    assert files, f'no test metrics json under {work_dir}'
+    with open(files[-1]) as f:
+        return json.load(f)
+
+
+def check_loss_decreases(records, key='loss'):
+    losses = [(r['iter'], r[key]) for r in records if key in r]
+    assert len(losses) >= 6, losses
+    assert all(math.isfinite(v) for _, v in losses)
+    first = sum(v for _, v in losses[:2]) / 2
+    last = sum(v for _, v in losses[-2:]) / 2
+    assert last < first, f'loss did not decrease: {losses}'
+    return losses
+
+
+@pytest.fixture(scope='module')
+def det_run(tmp_path_factory):
+    pytest.importorskip('mmdet')
+    work = str(tmp_path_factory.mktemp('det'))
+    run(['tools/train.py', DET, '--work-dir', work])
+    return work
+
+
+def test_detection_train_and_test(det_run, tmp_path):
+    losses = check_loss_decreases(scalars(det_run))
+    assert losses[-1][0] == 40
+    show = tmp_path / 'show'
+    run(['tools/test.py', DET, osp.join(det_run, 'iter_40.pth'), '--work-dir', str(tmp_path),
+         '--show-dir', str(show)])
+    metrics = read_test_metrics(str(tmp_path))
+    for key in ('coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP', 'coco/segm_mAP_50'):
+        assert key in metrics and math.isfinite(metrics[key]) and 0 <= metrics[key] <= 1, key
+    painted = glob.glob(str(show / '**' / '*.jpg'), recursive=True) + \
+        glob.glob(str(show / '**' / '*.png'), recursive=True)
+    assert len(painted) == 32
+
+
+def test_detection_resume(det_run, tmp_path):
+    ckpt = osp.join(det_run, 'iter_20.pth')
+    out = run(['tools/train.py', DET, '--work-dir', str(tmp_path), '--resume', ckpt,
+               '--cfg-options', 'train_cfg.val_interval=1000'])
+    assert 'resumed' in out.lower() or 'resume' in out.lower()
+    records = [r for r in scalars(str(tmp_path)) if 'loss' in r]
+    iters = [r['iter'] for r in records]
+    assert iters[0] > 20 and iters[-1] == 40, iters
+    assert all(math.isfinite(r['loss']) for r in records)
+    assert osp.isfile(osp.join(tmp_path, 'iter_40.pth'))
+
+
+def test_segmentation_train_and_test(tmp_path):
+    pytest.importorskip('mmseg')
+    work = str(tmp_path / 'train')
+    run(['tools/train.py', SEG, '--work-dir', work])
+    check_loss_decreases(scalars(work))
+    show = tmp_path / 'show'
+    run(['tools/test.py', SEG, osp.join(work, 'iter_40.pth'), '--work-dir', str(tmp_path / 'test'),
+         '--show-dir', str(show)])
+    metrics = read_test_metrics(str(tmp_path / 'test'))
+    for key in ('mIoU', 'aAcc', 'mAcc'):
+        assert key in metrics and math.isfinite(metrics[key]), key
+    painted = glob.glob(str(show / '**' / '*.png'), recursive=True) + \
+        glob.glob(str(show / '**' / '*.jpg'), recursive=True)
+    assert len(painted) == 3

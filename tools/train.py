@@ -1,0 +1,87 @@
+"""Train a detector or segmentor from an mmdet / mmseg config with the mmengine Runner.
+
+    python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--amp]
+                          [--cfg-options k=v ...] [--launcher {none,pytorch,slurm,mpi}]
+
+Works for mmdet 3.x and mmseg 1.x configs (the config's ``default_scope`` decides).
+Multi-GPU / multi-node: ``tools/dist_train.sh`` (torchrun) or ``tools/slurm_train.sh``.
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+from mmengine.config import Config, DictAction
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Train a detector / segmentor')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the dir to save logs and checkpoints')
+    parser.add_argument(
+        '--resume', nargs='?', type=str, const='auto',
+        help='resume from the given checkpoint, or (no value) from the latest checkpoint '
+        'in the work dir')
+    parser.add_argument('--amp', action='store_true',
+                        help='fp16 automatic mixed precision (AmpOptimWrapper, CUDA only)')
+    parser.add_argument('--auto-scale-lr', action='store_true',
+                        help='scale the learning rate with the total batch size')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config settings, e.g. train_cfg.max_iters=10')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def build_cfg(args) -> Config:
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    if args.amp:
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit('--amp uses mmengine AmpOptimWrapper, which needs a CUDA device; '
+                             'on CPU train in float32 (or bf16 autocast in your own loop)')
+        if cfg.optim_wrapper.get('type', 'OptimWrapper') == 'AmpOptimWrapper':
+            print('AMP training is already enabled in the config', file=sys.stderr)
+        else:
+            cfg.optim_wrapper.type = 'AmpOptimWrapper'
+            cfg.optim_wrapper.loss_scale = 'dynamic'
+    if args.auto_scale_lr:
+        if 'auto_scale_lr' in cfg and 'base_batch_size' in cfg.auto_scale_lr:
+            cfg.auto_scale_lr.enable = True
+        else:
+            raise SystemExit('--auto-scale-lr needs `auto_scale_lr.base_batch_size` in the config')
+    if args.resume == 'auto':
+        cfg.resume = True
+        cfg.load_from = None
+    elif args.resume is not None:
+        cfg.resume = True
+        cfg.load_from = args.resume
+    return cfg
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = build_cfg(args)
+    from mmengine.registry import RUNNERS
+    from mmengine.runner import Runner
+    if 'runner_type' not in cfg:
+        runner = Runner.from_cfg(cfg)
+    else:
+        runner = RUNNERS.build(cfg)
+    runner.train()
+
+
+if __name__ == '__main__':
+    main()
