@@ -65,8 +65,11 @@ if ! have mmcv "$MMCV_VERSION" || ! "$VPY" -c 'import mmcv.ops' 2>/dev/null; the
     SRC="$BUILD/mmcv-$MMCV_VERSION"
     sed -i -e 's/-std=c++14/-std=c++20/g' -e 's/-std=c++17/-std=c++20/g' "$SRC/setup.py"
     mkdir -p "$WHEEL_DIR.partial"
-    (cd "$SRC" && MMCV_WITH_OPS=1 FORCE_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" \
-      "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$WHEEL_DIR.partial" .)
+    LOG="$CACHE/mmcv-build.log"
+    if ! (cd "$SRC" && MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-2}" \
+      "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$WHEEL_DIR.partial" . > "$LOG" 2>&1); then
+      tail -n 60 "$LOG"; echo "mmcv build failed; full log: $LOG" >&2; exit 1
+    fi
     rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.partial" "$WHEEL_DIR"
     rm -rf "$BUILD"
     WHEEL=$(ls "$WHEEL_DIR"/mmcv-"$MMCV_VERSION"-*.whl | head -n1)

@@ -1,12 +1,12 @@
 # Quick start (CPU, a few minutes): Mask R-CNN with a randomly initialised
 # FLatten-PVTv2-b0 trains for 40 iterations on the 6 bundled COCO train2017 images and
 # is evaluated (COCO bbox + segm mAP, pycocotools) on the 32 bundled val2017 images.
-# Images are resized to at most 384x256 to keep it fast. The metrics of such a short run
+# Images are resized to at most 256x192 to keep it fast on 2 CPU cores. The metrics of such a short run
 # from scratch are near zero; the point is the full pipeline on real data.
 _base_ = '../mmdet/flatten_pvt_v2/mask-rcnn_flatten-pvt-v2-b0_fpn_1x_coco.py'
 
 data_root = 'demo/data/coco_mini/'
-img_scale = (384, 256)
+img_scale = (256, 192)
 
 model = dict(backbone=dict(init_cfg=None))
 

@@ -1,4 +1,9 @@
 """Registered dense backbones (one family per file)."""
+from .flatten_cswin import FLattenCSWin
+from .flatten_swin import FLattenSwin
 from .pvt import FLattenPVT, FLattenPVTv2, PyramidVisionBackbone
+from .quadtree_pvt import QuadTreePVTv2
+from .sima_xcit import SimAXCiT
 
-__all__ = ['FLattenPVT', 'FLattenPVTv2', 'PyramidVisionBackbone']
+__all__ = ['FLattenCSWin', 'FLattenSwin',
+           'FLattenPVT', 'FLattenPVTv2', 'PyramidVisionBackbone', 'QuadTreePVTv2', 'SimAXCiT']

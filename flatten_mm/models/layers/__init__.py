@@ -11,11 +11,18 @@ from typing import Callable, Dict, Type, Union
 import torch.nn as nn
 
 from .ffn import PVTMlp
-from .focused_linear_attention import FocusedLinearAttention
+from .focused_linear_attention import (FocusedLinearAttention, FocusedLinearAttentionQKV,
+                                       FocusedLinearQKV)
+from .lepe_attention import CrossShapedAttention, LePEAttention
 from .patch_embed import PVTPatchEmbed
 from .pos_embed import resize_pos_table
+from .quadtree_attention import QuadTreeAttention
 from .shape import nchw_to_nlc, nlc_to_nchw
+from .sima_attention import SimAAttention
+from .xcit_layers import LPI, ConvPatchEmbed, FourierPositionalEncoding
 from .softmax_attention import SpatialReductionAttention
+from .transformer_block import PreNormBlock
+from .window_attention import ShiftedWindowAttention
 
 ATTENTIONS: Dict[str, Type[nn.Module]] = {}
 
@@ -26,7 +33,9 @@ def register_attention(cls: Type[nn.Module]) -> Type[nn.Module]:
     return cls
 
 
-for _cls in (FocusedLinearAttention, SpatialReductionAttention):
+for _cls in (FocusedLinearAttention, SpatialReductionAttention, SimAAttention,
+             QuadTreeAttention, FocusedLinearAttentionQKV, ShiftedWindowAttention,
+             CrossShapedAttention):
     register_attention(_cls)
 
 
@@ -58,5 +67,8 @@ def build_attention(cfg: Union[dict, Callable], **defaults) -> nn.Module:
 __all__ = [
     'ATTENTIONS', 'FocusedLinearAttention', 'PVTMlp', 'PVTPatchEmbed',
     'SpatialReductionAttention', 'build_attention', 'nchw_to_nlc', 'nlc_to_nchw',
-    'register_attention', 'resize_pos_table'
+    'register_attention', 'resize_pos_table', 'QuadTreeAttention',
+    'SimAAttention', 'ConvPatchEmbed', 'FourierPositionalEncoding', 'LPI',
+    'FocusedLinearAttentionQKV', 'FocusedLinearQKV', 'CrossShapedAttention', 'LePEAttention',
+    'PreNormBlock', 'ShiftedWindowAttention'
 ]

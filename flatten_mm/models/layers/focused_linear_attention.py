@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .conv import depthwise_conv
 from .pos_embed import resize_pos_table
 from .shape import nchw_to_nlc, nlc_to_nchw
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
@@ -95,10 +96,12 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     out_dtype = v.dtype
     with torch.autocast(device_type=q.device.type, enabled=False):
-        q = focused_feature_map(q.float(), scale.float(), focusing_factor)
-        k = focused_feature_map(k.float(), scale.float(), focusing_factor)
+        # at least float32 (float64 inputs stay float64)
+        dt = torch.promote_types(v.dtype, torch.float32)
+        q = focused_feature_map(q.to(dt), scale.to(dt), focusing_factor)
+        k = focused_feature_map(k.to(dt), scale.to(dt), focusing_factor)
         out = linear_attention(split_heads(q, num_heads), split_heads(k, num_heads),
-                               split_heads(v.float(), num_heads))
+                               split_heads(v.to(dt), num_heads))
     return merge_heads(out).to(out_dtype)
 
 
@@ -224,7 +227,7 @@ class FocusedLinearAttention(nn.Module):
         if n != N:
             v_img = F.interpolate(v_img, size=N, mode='linear', align_corners=False)
         v_img = v_img.reshape(B * h, d, hw_shape[0], hw_shape[1])
-        dwc = self.dwc(v_img).reshape(B, C, N).transpose(1, 2)
+        dwc = depthwise_conv(self.dwc, v_img).reshape(B, C, N).transpose(1, 2)
         out = out + dwc.to(out.dtype)
         return self.proj_drop(self.proj(out))
 
@@ -256,7 +259,7 @@ def depthwise_conv_heads(conv: nn.Conv2d, v: torch.Tensor, hw_shape: Tuple[int, 
     H, W = hw_shape
     d = C // num_heads
     img = v.reshape(B, N, num_heads, d).permute(0, 2, 3, 1).reshape(B * num_heads, d, H, W)
-    return conv(img).reshape(B, C, N).transpose(1, 2)
+    return depthwise_conv(conv, img).reshape(B, C, N).transpose(1, 2)
 
 
 class _FocusedLinearRegion(nn.Module):
@@ -297,7 +300,8 @@ class _FocusedLinearRegion(nn.Module):
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if pe_interp_mode not in ('bilinear', 'bicubic'):
-            raise ValueError(f"pe_interp_mode must be 'bilinear' or 'bicubic', got {pe_interp_mode!r}")
+            raise ValueError("pe_interp_mode must be 'bilinear' or 'bicubic', "
+                             f'got {pe_interp_mode!r}')
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
@@ -339,7 +343,7 @@ class _FocusedLinearRegion(nn.Module):
                                   self.focusing_factor)
         out = out + depthwise_conv_heads(self.dwc, v, hw_shape, self.num_heads).to(out.dtype)
         if self.get_v is not None:
-            lepe = nchw_to_nlc(self.get_v(nlc_to_nchw(v, hw_shape)))
+            lepe = nchw_to_nlc(depthwise_conv(self.get_v, nlc_to_nchw(v, hw_shape)))
             out = out + lepe.to(out.dtype)
         return out
 

@@ -1,0 +1,37 @@
+# Mask R-CNN 1x, FLatten-CSwin-T backbone (global focused linear attention in stages 1-2,
+# cross-shaped 7-wide stripes in stage 3, global softmax in stage 4). No published result
+# (no FLatten-CSwin downstream numbers exist). Recipe inferred: the Swin/CSWin detection
+# protocol -- AdamW lr 1e-4, weight decay 0.05 (none on norms, FLA positional encodings
+# and FLA `scale`), batch 16 (8 GPUs x 2), 12 epochs (steps 8/11), single scale
+# 1333x800; drop path = the ImageNet pretraining value (0.2 T, 0.4 S, 0.5 B).
+_base_ = [
+    'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
+    'mmdet::_base_/datasets/coco_instance.py',
+    'mmdet::_base_/schedules/schedule_1x.py',
+    'mmdet::_base_/default_runtime.py',
+]
+custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+
+model = dict(
+    backbone=dict(
+        _delete_=True,
+        type='flatten_mm.FLattenCSWin',
+        arch='t',
+        drop_path_rate=0.2,
+        out_indices=(0, 1, 2, 3),
+        # convert the official ImageNet weights first:
+        # python tools/convert_checkpoint.py flatten_cswin_tiny.pth \
+        #     checkpoints/flatten-cswin-t_in1k.pth --family flatten_cswin --arch t
+        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-cswin-t_in1k.pth')),
+    neck=dict(in_channels=[64, 128, 256, 512]))
+
+optim_wrapper = dict(
+    _delete_=True,
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=0.05),
+    paramwise_cfg=dict(custom_keys={
+        'norm': dict(decay_mult=0.),
+        'positional_encoding': dict(decay_mult=0.),
+        'branches.0.scale': dict(decay_mult=0.),
+        'branches.1.scale': dict(decay_mult=0.),
+    }))

@@ -1,0 +1,6 @@
+_base_ = './retinanet_flatten-pvt-t_fpn_1x_coco.py'
+
+model = dict(
+    backbone=dict(
+        arch='small',
+        init_cfg=dict(checkpoint='checkpoints/flatten-pvt-s_in1k.pth')))

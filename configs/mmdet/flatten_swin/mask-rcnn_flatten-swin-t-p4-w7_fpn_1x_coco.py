@@ -1,0 +1,37 @@
+# Mask R-CNN 1x, FLatten-Swin-T backbone (global focused linear attention in stages 1-2,
+# 7x7 shifted windows in stages 3-4). Recipe inferred (the paper gives none; its baseline
+# row is the Swin paper's): Swin protocol -- AdamW lr 1e-4, weight decay 0.05 (none on
+# norms, relative position bias tables, FLA positional encodings and FLA `scale`),
+# batch 16 (8 GPUs x 2), 12 epochs (steps 8/11), single scale 1333x800, drop path 0.2.
+# See README.md.
+_base_ = [
+    'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
+    'mmdet::_base_/datasets/coco_instance.py',
+    'mmdet::_base_/schedules/schedule_1x.py',
+    'mmdet::_base_/default_runtime.py',
+]
+custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+
+model = dict(
+    backbone=dict(
+        _delete_=True,
+        type='flatten_mm.FLattenSwin',
+        arch='t',
+        drop_path_rate=0.2,
+        out_indices=(0, 1, 2, 3),
+        # convert the official ImageNet weights first:
+        # python tools/convert_checkpoint.py flatten_swin_t.pth \
+        #     checkpoints/flatten-swin-t_in1k.pth --family flatten_swin --arch t
+        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-swin-t_in1k.pth')),
+    neck=dict(in_channels=[96, 192, 384, 768]))
+
+optim_wrapper = dict(
+    _delete_=True,
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=0.05),
+    paramwise_cfg=dict(custom_keys={
+        'norm': dict(decay_mult=0.),
+        'relative_position_bias_table': dict(decay_mult=0.),
+        'positional_encoding': dict(decay_mult=0.),
+        'attn.scale': dict(decay_mult=0.),
+    }))

@@ -1,0 +1,33 @@
+# Mask R-CNN 1x, QuadTree-B-PVTv2-b0 backbone. Recipe of the official config
+# (detection/configs/quadtree/mask_rcnn_quadtree_b0_fpn_1x_coco.py): AdamW lr 2e-4,
+# wd 1e-4 on all parameters (no paramwise rules upstream), no grad clip, 12 epochs
+# (steps 8/11, 500-iteration warmup), 1333x800, flip 0.5, pad 32, 2 images per GPU
+# (8 GPUs assumed); backbone top-k 32, ReLU value branches, drop path 0.1.
+_base_ = [
+    'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
+    'mmdet::_base_/datasets/coco_instance.py',
+    'mmdet::_base_/schedules/schedule_1x.py',
+    'mmdet::_base_/default_runtime.py',
+]
+custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+
+model = dict(
+    backbone=dict(
+        _delete_=True,
+        type='flatten_mm.QuadTreePVTv2',
+        arch='b0',
+        attn_cfg=dict(topk=32, value_act='relu'),  # official dense setting (also the default)
+        drop_path_rate=0.1,
+        out_indices=(0, 1, 2, 3),
+        # convert the official ImageNet weights first:
+        # python tools/convert_checkpoint.py b0.pth \
+        #     checkpoints/quadtree-b-pvt-v2-b0_in1k.pth --family quadtree --arch b0
+        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/quadtree-b-pvt-v2-b0_in1k.pth')),
+    neck=dict(in_channels=[32, 64, 160, 256]))
+
+optim_wrapper = dict(
+    _delete_=True,
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=2e-4, betas=(0.9, 0.999), weight_decay=1e-4))
+
+auto_scale_lr = dict(enable=False, base_batch_size=16)

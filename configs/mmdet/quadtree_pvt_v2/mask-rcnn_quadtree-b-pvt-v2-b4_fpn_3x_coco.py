@@ -1,0 +1,7 @@
+_base_ = './mask-rcnn_quadtree-b-pvt-v2-b0_fpn_3x_coco.py'
+
+model = dict(
+    backbone=dict(
+        arch='b4',
+        init_cfg=dict(checkpoint='checkpoints/quadtree-b-pvt-v2-b4_in1k.pth')),
+    neck=dict(in_channels=[64, 128, 320, 512]))

@@ -1,0 +1,10 @@
+_base_ = './upernet_sima-xcit-s12-p16_8xb2-160k_ade20k-512x512.py'
+
+model = dict(
+    backbone=dict(
+        arch='s24',
+        drop_path_rate=0.1,
+        out_indices=(7, 11, 15, 23),
+        init_cfg=dict(checkpoint='checkpoints/sima-xcit-s24-p16_in1k.pth')),
+    decode_head=dict(in_channels=[384, 384, 384, 384]),
+    auxiliary_head=dict(in_channels=384))

@@ -1,0 +1,331 @@
+"""FLatten-Swin: Swin Transformer with focused linear attention in its early stages.
+
+Paper: Han et al., "FLatten Transformer", ICCV 2023, https://arxiv.org/abs/2308.00442;
+upstream classification model ``models/flatten_swin.py`` of
+https://github.com/LeapLabTHU/FLatten-Transformer @ abdb115 (MIT licence). Dense design:
+``shared/spec/backbones.md`` §1.3 and §5.3 (option 1), no official dense code exists.
+
+One Swin skeleton (patch embedding, four stages of pre-norm blocks, ``PatchMerging``
+between stages) with one attention config per stage. The released models are ``LLSS``:
+
+* stages 1-2 (``L``): ``FocusedLinearAttentionQKV`` with ``window_size=None``: global FLA
+  over the whole unpadded stage map. At the pretraining resolution the official linear
+  window covers the whole map (56x56 / 28x28 at 224, 96x96 / 48x48 at 384), so this is
+  the pretrained computation; at other sizes the positional table (stage grid at
+  ``pretrain_img_size``) is resized to the map (exact identity at the pretraining grid).
+* stages 3-4 (``S``): ``ShiftedWindowAttention`` (Swin W-MSA / SW-MSA, window 7, or 12
+  for the 384 model), maps zero-padded to window multiples, shifted windows in odd
+  blocks with masks computed for the actual padded size (cached per shape).
+
+Outputs follow the Swin dense convention: stage ``i`` tokens before ``PatchMerging``,
+passed through a new LayerNorm ``norm{i}`` (random init, not in the classification
+checkpoint), as NCHW maps with strides 4, 8, 16, 32 (``ceil(H / s)``; the patch
+embedding and ``PatchMerging`` zero-pad odd sizes at the bottom/right).
+"""
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from mmengine.model import BaseModule
+from mmengine.model.weight_init import trunc_normal_
+
+from ...registry import MODELS
+from ..layers import PreNormBlock, PVTPatchEmbed, build_attention
+from .base import check_frozen_stages, check_out_indices, expand_per_stage, freeze, resolve_arch
+
+#: global focused linear attention (the ``L`` stages of the released models)
+SWIN_LINEAR = dict(type='FocusedLinearAttentionQKV', window_size=None, focusing_factor=3,
+                   kernel_size=5)
+#: Swin shifted-window softmax attention (the ``S`` stages); window from the backbone
+SWIN_SOFTMAX = dict(type='ShiftedWindowAttention')
+
+
+def merge_stage_cfgs(defaults: Union[dict, Sequence[dict]], user, num_stages: int,
+                     name: str = 'attn_cfg') -> List[dict]:
+    """Per-stage attention configs: ``user`` (one dict or one per stage) over ``defaults``.
+
+    A user dict with ``type`` replaces the default of its stage; one without ``type``
+    updates it (same operator, other arguments).
+    """
+    base = expand_per_stage(defaults, num_stages, f'default {name}')
+    if user is None:
+        return base
+    cfgs = []
+    for d, u in zip(base, expand_per_stage(user, num_stages, name)):
+        u = dict(u)
+        if 'type' in u:
+            cfgs.append(u)
+        else:
+            d.update(u)
+            cfgs.append(d)
+    return cfgs
+
+
+def check_input(x: torch.Tensor, in_channels: int, owner: str) -> None:
+    """Validate an image batch ``(B, C_in, H, W)`` (any ``H, W >= 1``)."""
+    if x.dim() != 4:
+        raise ValueError(f'{owner} expects a (B, C, H, W) tensor, got shape {tuple(x.shape)}')
+    if x.shape[1] != in_channels:
+        raise ValueError(f'{owner} was built for {in_channels} input channels, '
+                         f'got an input with {x.shape[1]}')
+    if x.shape[2] < 1 or x.shape[3] < 1:
+        raise ValueError(f'{owner} needs an input of at least 1x1 pixels (any size is padded), '
+                         f'got {x.shape[2]}x{x.shape[3]}')
+
+
+class PatchMerging(nn.Module):
+    """Swin down-sampling: 2x2 neighbours concatenated (order ``x[0::2, 0::2]``,
+    ``x[1::2, 0::2]``, ``x[0::2, 1::2]``, ``x[1::2, 1::2]``), LayerNorm(4C), Linear
+    4C -> 2C without bias. Odd maps are zero-padded at the bottom/right first, so the
+    output grid is ``ceil(H / 2) x ceil(W / 2)``.
+
+    Args:
+        in_channels: ``C``.
+        norm_eps: LayerNorm epsilon.
+    """
+
+    def __init__(self, in_channels: int, norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4 * in_channels, eps=norm_eps)
+        self.reduction = nn.Linear(4 * in_channels, 2 * in_channels, bias=False)
+
+    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]
+                ) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Args: x ``(B, H*W, C)``. Returns ``(B, H'*W', 2C)`` and ``(H', W')``."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        x = x.reshape(B, H, W, C)
+        if H % 2 or W % 2:
+            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
+                      dim=-1)
+        hw = (x.shape[1], x.shape[2])
+        return self.reduction(self.norm(x.reshape(B, -1, 4 * C))), hw
+
+
+class SwinStage(nn.Module):
+    """Blocks of one stage and the ``PatchMerging`` that follows them (stages 1-3)."""
+
+    def __init__(self, blocks: List[nn.Module], downsample: Optional[PatchMerging]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.downsample = downsample
+
+
+@MODELS.register_module()
+class FLattenSwin(BaseModule):
+    """FLatten-Swin backbone (stage widths ``C, 2C, 4C, 8C``; strides 4, 8, 16, 32).
+
+    ``arch`` (name or dict with ``embed_dims, depths, num_heads`` and optionally
+    ``pretrain_img_size`` (default 224) and ``window_size`` (default 7)):
+
+    ==============  ======  ===========  ============  ========  ======
+    arch            C       depths       num_heads     pretrain  window
+    ==============  ======  ===========  ============  ========  ======
+    t, tiny         96      2, 2, 6, 2   3, 6, 12, 24  224       7
+    s, small        96      2, 2, 18, 2  3, 6, 12, 24  224       7
+    b, base         128     2, 2, 18, 2  4, 8, 16, 32  224       7
+    b-384, base-384 128     2, 2, 18, 2  4, 8, 16, 32  384       12
+    ==============  ======  ===========  ============  ========  ======
+
+    The B-384 model is the arch ``'b-384'``: the same structure as ``'b'`` with positional
+    tables of the 384 grid (96x96 / 48x48) and 12x12 softmax windows, i.e. the official
+    ``flatten_swin_b_384`` checkpoint loads as is.
+
+    Args:
+        arch: variant name or custom dict (see above).
+        in_channels: image channels.
+        attn_cfg: attention per stage (one dict for all stages or four). A dict without
+            ``type`` updates the default of its stage; with ``type`` it replaces it.
+            Default ``LLSS``: ``SWIN_LINEAR`` (global FLA) for stages 1-2,
+            ``SWIN_SOFTMAX`` (shifted windows) for stages 3-4. ``dict(window_size=7)`` on
+            a linear stage gives FLA inside shifted 7x7 windows (official ``window_size=7``
+            models; cyclic shift without mask). Operators with a ``window_size`` argument
+            get the backbone's ``window_size`` unless their config sets it
+            (``SWIN_LINEAR`` sets ``None``: global).
+        pretrain_img_size: pretraining resolution; fixes the grid of the stored FLA
+            positional tables (default: from ``arch``).
+        window_size: window of the softmax stages (default: from ``arch``).
+        mlp_ratio: hidden/``C`` ratio of the MLPs.
+        qkv_bias: bias of the qkv projections.
+        drop_rate: dropout after projections and in the MLPs.
+        attn_drop_rate: attention-weight dropout (softmax stages).
+        drop_path_rate: stochastic depth, linearly increasing over all blocks (official
+            ImageNet values: 0.2 T, 0.3 S, 0.5 B).
+        out_indices: stages whose (normalised) maps are returned.
+        frozen_stages: patch embedding, stages ``0..frozen_stages`` and their output
+            norms are frozen (-1: nothing).
+        with_cp: gradient checkpointing of every block (same outputs, less memory).
+        init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
+            checkpoint produced by ``tools/convert_checkpoint.py``.
+    """
+
+    arch_zoo: Dict[str, dict] = {
+        **dict.fromkeys(['t', 'tiny'], dict(embed_dims=96, depths=(2, 2, 6, 2),
+                                            num_heads=(3, 6, 12, 24))),
+        **dict.fromkeys(['s', 'small'], dict(embed_dims=96, depths=(2, 2, 18, 2),
+                                             num_heads=(3, 6, 12, 24))),
+        **dict.fromkeys(['b', 'base'], dict(embed_dims=128, depths=(2, 2, 18, 2),
+                                            num_heads=(4, 8, 16, 32))),
+        **dict.fromkeys(['b-384', 'base-384'],
+                        dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32),
+                             pretrain_img_size=384, window_size=12)),
+    }
+    arch_keys = ('embed_dims', 'depths', 'num_heads')
+    #: optional arch keys and their defaults
+    arch_geometry = dict(pretrain_img_size=224, window_size=7)
+    default_attn_cfg = (SWIN_LINEAR, SWIN_LINEAR, SWIN_SOFTMAX, SWIN_SOFTMAX)
+    num_stages = 4
+    #: parameters not in the official checkpoints (the new output norms)
+    dense_only_prefixes = ('norm0.', 'norm1.', 'norm2.', 'norm3.')
+
+    def __init__(self,
+                 arch: Union[str, dict] = 't',
+                 in_channels: int = 3,
+                 attn_cfg: Optional[Union[dict, Sequence[dict]]] = None,
+                 pretrain_img_size: Optional[Union[int, Tuple[int, int]]] = None,
+                 window_size: Optional[int] = None,
+                 mlp_ratio: float = 4.,
+                 qkv_bias: bool = True,
+                 drop_rate: float = 0.,
+                 attn_drop_rate: float = 0.,
+                 drop_path_rate: float = 0.1,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 frozen_stages: int = -1,
+                 with_cp: bool = False,
+                 init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
+        super().__init__(init_cfg=init_cfg)
+        name = type(self).__name__
+        settings = self._resolve_arch(arch)
+        C = int(settings['embed_dims'])
+        depths = tuple(settings['depths'])
+        num_heads = tuple(settings['num_heads'])
+        for key, val in (('depths', depths), ('num_heads', num_heads)):
+            if len(val) != self.num_stages:
+                raise ValueError(f'{name}: arch {key} needs {self.num_stages} entries, got {val}')
+        if pretrain_img_size is None:
+            pretrain_img_size = settings['pretrain_img_size']
+        if isinstance(pretrain_img_size, int):
+            pretrain_img_size = (pretrain_img_size, pretrain_img_size)
+        self.window_size = int(settings['window_size'] if window_size is None else window_size)
+        self.pretrain_img_size = tuple(pretrain_img_size)
+        self.arch_settings = settings
+        self.embed_dims = tuple(C * 2**i for i in range(self.num_stages))
+        self.depths = depths
+        self.out_indices = check_out_indices(out_indices, self.num_stages, name)
+        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
+        self.with_cp = with_cp
+        self.in_channels = in_channels
+        self.attn_cfgs = merge_stage_cfgs(self.default_attn_cfg, attn_cfg, self.num_stages)
+
+        self.patch_embed = PVTPatchEmbed(in_channels, C, stride=4, overlap=False)
+        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        self.stages = nn.ModuleList()
+        cur = 0
+        for i in range(self.num_stages):
+            stride = 4 * 2**i
+            grid = (self.pretrain_img_size[0] // stride, self.pretrain_img_size[1] // stride)
+            dims = self.embed_dims[i]
+            blocks = []
+            for j in range(depths[i]):
+                attn = build_attention(
+                    self.attn_cfgs[i], embed_dims=dims, num_heads=num_heads[i],
+                    qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate,
+                    window_size=self.window_size, shift=j % 2 == 1, pretrain_hw_shape=grid)
+                blocks.append(PreNormBlock(dims, attn, mlp_ratio=mlp_ratio, drop_rate=drop_rate,
+                                           drop_path=dpr[cur + j]))
+            downsample = PatchMerging(dims) if i < self.num_stages - 1 else None
+            self.stages.append(SwinStage(blocks, downsample))
+            cur += depths[i]
+        for i in self.out_indices:  # new output norms (Swin dense convention)
+            self.add_module(f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
+        self._freeze_stages()
+
+    def _resolve_arch(self, arch: Union[str, dict]) -> dict:
+        if isinstance(arch, dict):
+            arch = dict(arch)
+            geometry = {k: arch.pop(k, v) for k, v in self.arch_geometry.items()}
+            settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, type(self).__name__)
+        else:
+            settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, type(self).__name__)
+            geometry = {k: settings.pop(k, v) for k, v in self.arch_geometry.items()}
+        settings.update(geometry)
+        return settings
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def out_channels(self) -> Tuple[int, ...]:
+        """Channels of each returned map."""
+        return tuple(self.embed_dims[i] for i in self.out_indices)
+
+    @property
+    def out_strides(self) -> Tuple[int, ...]:
+        """Stride (w.r.t. the input) of each returned map."""
+        return tuple(4 * 2**i for i in self.out_indices)
+
+    # ------------------------------------------------------------------ init / freezing
+    def init_weights(self) -> None:
+        """Swin initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
+        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
+            super().init_weights()
+            return
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _freeze_stages(self) -> None:
+        if self.frozen_stages >= 0:
+            freeze(self.patch_embed)
+        for i in range(self.frozen_stages + 1):
+            freeze(self.stages[i])
+            if i in self.out_indices:
+                freeze(getattr(self, f'norm{i}'))
+
+    def train(self, mode: bool = True) -> 'FLattenSwin':
+        super().train(mode)
+        self._freeze_stages()
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def _run_block(self, block: nn.Module, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(block, x, hw, use_reentrant=False)
+        return block(x, hw)
+
+    def iter_stages(self, x: torch.Tensor, last: Optional[int] = None
+                    ) -> Iterator[Tuple[int, torch.Tensor, Tuple[int, int]]]:
+        """Yield ``(i, tokens (B, H_i*W_i, C_i), (H_i, W_i))`` of each stage ``0..last``:
+        the output of its last block, before ``PatchMerging`` and before ``norm{i}``."""
+        check_input(x, self.in_channels, type(self).__name__)
+        last = self.num_stages - 1 if last is None else last
+        x, hw = self.patch_embed(x)
+        for i, stage in enumerate(self.stages):
+            for block in stage.blocks:
+                x = self._run_block(block, x, hw)
+            yield i, x, hw
+            if i == last:
+                return
+            x, hw = stage.downsample(x, hw)
+
+    def forward_raw(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """Un-normalised maps ``(B, C_i, H_i, W_i)`` of all four stages (the official
+        classification model's stage outputs; used by the parity checks)."""
+        return [tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw)
+                for _, tokens, hw in self.iter_stages(x)]
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Args: x ``(B, C_in, H, W)``, any ``H, W``. Returns the maps of ``out_indices``,
+        ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for ``s = out_strides[k]``."""
+        outs = []
+        for i, tokens, hw in self.iter_stages(x, last=max(self.out_indices)):
+            if i in self.out_indices:
+                tokens = getattr(self, f'norm{i}')(tokens)
+                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw))
+        return tuple(outs)

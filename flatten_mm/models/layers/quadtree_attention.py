@@ -1,0 +1,496 @@
+"""QuadTree attention (variants A and B), pure PyTorch.
+
+Paper: Tang et al., "QuadTree Attention for Vision Transformers", ICLR 2022,
+https://arxiv.org/abs/2201.02767.
+Upstream: https://github.com/Tangshitao/QuadTreeAttention @ 549a1ef (Apache-2.0); this is
+an independent re-implementation of ``QuadtreeAttention`` with ``QTAttA`` / ``QTAttB`` and
+of the two CUDA kernels (``score_computation``, ``value_aggregation``), following
+``shared/spec/attention.md`` §3.
+
+Per block, queries/keys/values form a pyramid of ``S = num_levels`` levels (2x2 average
+pooling; variant B builds the value pyramid with learned ``value_branchs``). The coarsest
+level is full softmax attention; every query of a finer level attends only to the 4
+children of the ``topk`` keys its parent query selected one level up. Messages of all
+levels are merged coarse-to-fine (A: sum, with the mass of the refined keys carried down;
+B: learned level weights and a depth-wise-conv LePE per level).
+
+Implementation notes:
+
+* The attention core always runs in float32 (the official module casts with ``.float()``
+  and its kernels are float32-only), also under fp16/bf16 autocast; the projections and
+  value branches follow the ambient dtype/autocast, and the LePE convs run in float32.
+* No ``N x N`` tensor is built: the coarsest level costs ``L^2`` for its ``L`` tokens,
+  every finer level ``O(N * 4K)``. The 4 child queries of a parent share their ``4K``
+  candidate keys, so keys and values are gathered once per parent, in chunks over the
+  parents (``chunk_elements``), by a custom autograd function that re-gathers in the
+  backward pass instead of saving the gathered rows. Peak memory is ``O(N * K)``.
+* Maps whose height or width is not divisible by ``2**(num_levels - 1)`` are zero-padded
+  at the bottom/right before the projections and the output is cropped back; the padded
+  tokens take part as keys (as when a data pipeline pads the image). The official code
+  instead requires inputs that are multiples of 32.
+* The coarsest level must hold at least ``topk`` tokens whenever its top-k is used,
+  otherwise ``ValueError`` names the minimum map size. The top-k is used with
+  ``num_levels > 1``, and always by variant A, whose single-level stages (stage 4) follow
+  the official quirk of dropping the ``topk`` selected keys from the message (they are
+  "refined" at a next level that does not exist; verified against the official outputs).
+  A single-level B stage does not use it (the official code computes and discards it,
+  failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
+"""
+import math
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .shape import nlc_to_nchw
+
+#: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
+MarginRecorder = Callable[[int, float], None]
+
+#: default bound on the elements of one chunk of gathered key/value rows
+DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+
+# --------------------------------------------------------------------------- kernels
+def _flat_rows(index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Row numbers into a ``(B*h*M, d)`` table for a per-(batch, head) ``index (B, h, ...)``."""
+    B, h = index.shape[:2]
+    offset = torch.arange(B * h, device=index.device, dtype=index.dtype).view(
+        B, h, *([1] * (index.dim() - 2))) * num_rows
+    return (index + offset).reshape(-1)
+
+
+class _GatheredMatmul(torch.autograd.Function):
+    """``a @ G^T`` (scores) or ``a @ G`` (messages) with ``G = src[index]`` per parent.
+
+    ``a``: ``(B, h, L, F, X)``; ``src``: ``(B, h, M, d)``; ``index``: ``(B, h, L, K)`` long.
+    ``G[b, j, l] = src[b, j, index[b, j, l]]`` is ``(K, d)``. With ``transpose_src`` the
+    result is ``(B, h, L, F, K)`` (``X = d``), else ``(B, h, L, F, d)`` (``X = K``).
+    Gathers are done in chunks of parents in the forward and again in the backward
+    pass (nothing gathered is saved); ``src`` receives its gradient by ``index_add_``.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
+                transpose_src: bool, chunk: int) -> torch.Tensor:
+        B, h, L, nf, _ = a.shape
+        M, d = src.shape[2], src.shape[3]
+        K = index.shape[-1]
+        table = src.reshape(B * h * M, d)
+        out = a.new_empty(B, h, L, nf, K if transpose_src else d)
+        for s in range(0, L, chunk):
+            e = min(L, s + chunk)
+            rows = _flat_rows(index[:, :, s:e], M)
+            g = table.index_select(0, rows).view(B, h, e - s, K, d)
+            out[:, :, s:e] = a[:, :, s:e] @ (g.transpose(-1, -2) if transpose_src else g)
+        ctx.save_for_backward(a, src, index)
+        ctx.transpose_src = transpose_src
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        a, src, index = ctx.saved_tensors
+        t, chunk = ctx.transpose_src, ctx.chunk
+        B, h, L = a.shape[:3]
+        M, d = src.shape[2], src.shape[3]
+        K = index.shape[-1]
+        table = src.reshape(B * h * M, d)
+        need_a, need_src = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_a = torch.empty_like(a) if need_a else None
+        grad_table = torch.zeros_like(table) if need_src else None
+        for s in range(0, L, chunk):
+            e = min(L, s + chunk)
+            rows = _flat_rows(index[:, :, s:e], M)
+            g = table.index_select(0, rows).view(B, h, e - s, K, d)
+            gc = grad[:, :, s:e]
+            if need_a:
+                grad_a[:, :, s:e] = gc @ (g if t else g.transpose(-1, -2))
+            if need_src:
+                ac = a[:, :, s:e]
+                grad_g = gc.transpose(-1, -2) @ ac if t else ac.transpose(-1, -2) @ gc
+                grad_table.index_add_(0, rows, grad_g.reshape(-1, d))
+        grad_src = grad_table.view_as(src) if need_src else None
+        return grad_a, grad_src, None, None, None
+
+
+def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: int) -> int:
+    B, h, L = a.shape[:3]
+    per_parent = B * h * index.shape[-1] * max(d, a.shape[3])
+    return max(1, min(L, chunk_elements // max(1, per_parent)))
+
+
+def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
+                    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Score kernel: ``out[b,j,l,f,k] = <query[b,j,l,f], key[b,j,index[b,j,l,k]]>``.
+
+    The official ``score_computation`` with heads moved to dim 1 and the candidate list
+    shared by the ``F`` (= 4) child queries of each parent.
+
+    Args:
+        query: ``(B, h, L, F, d)`` child queries grouped by parent.
+        key: ``(B, h, M, d)`` keys of the level.
+        index: ``(B, h, L, K)`` candidate key rows of each parent (long).
+        chunk_elements: bound on the gathered elements held at once.
+
+    Returns:
+        ``(B, h, L, F, K)``.
+    """
+    chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
+    return _GatheredMatmul.apply(query, key, index, True, chunk)
+
+
+def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
+                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Aggregation kernel: ``out[b,j,l,f] = sum_k weight[b,j,l,f,k] value[b,j,index[b,j,l,k]]``.
+
+    The official ``value_aggregation`` for a candidate list shared by the ``F`` child
+    queries of a parent (which is how both variants call it).
+
+    Args:
+        weight: ``(B, h, L, F, K)`` attention weights.
+        value: ``(B, h, M, d)`` values of the level.
+        index: ``(B, h, L, K)`` candidate rows (long).
+        chunk_elements: bound on the gathered elements held at once.
+
+    Returns:
+        ``(B, h, L, F, d)``.
+    """
+    chunk = _chunk_size(weight, index, value.shape[-1], chunk_elements)
+    return _GatheredMatmul.apply(weight, value, index, False, chunk)
+
+
+# --------------------------------------------------------------------------- layout helpers
+def _to_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Map ``(B, C, H, W)`` -> ``(B, h, H*W, d)`` (head-major channels, raster tokens)."""
+    B, C, H, W = x.shape
+    return x.reshape(B, num_heads, C // num_heads, H * W).transpose(-1, -2)
+
+
+def _group_children(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Map ``(B, C, H, W)`` -> ``(B, h, (H/2)(W/2), 4, d)``: parents in raster order of the
+    coarser grid, children ordered ``(t1, t2) = (0,0), (0,1), (1,0), (1,1)``."""
+    B, C, H, W = x.shape
+    x = x.reshape(B, num_heads, C // num_heads, H // 2, 2, W // 2, 2)
+    return x.permute(0, 1, 3, 5, 4, 6, 2).reshape(B, num_heads, (H // 2) * (W // 2), 4,
+                                                  C // num_heads)
+
+
+def _children_to_raster(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+    """``(B, h, L, 4, X)`` grouped by parent -> ``(B, h, H*W, X)`` raster of the ``hw`` grid."""
+    B, h, _, _, X = x.shape
+    H, W = hw
+    x = x.reshape(B, h, H // 2, W // 2, 2, 2, X).transpose(3, 4)
+    return x.reshape(B, h, H * W, X)
+
+
+def _upsample_tokens(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+    """Nearest 2x upsampling of raster tokens ``(B, h, H*W, X)`` -> ``(B, h, 4HW, X)``."""
+    B, h, _, X = x.shape
+    H, W = hw
+    x = x.reshape(B, h, H, 1, W, 1, X).expand(B, h, H, 2, W, 2, X)
+    return x.reshape(B, h, 4 * H * W, X)
+
+
+def _child_candidates(index: torch.Tensor, parent_width: int) -> torch.Tensor:
+    """Flat parent-level key indices ``(..., Kp)`` -> their 4 children at the next level,
+    ``(..., 4 Kp)`` ordered parent-major, child ``(a, b)`` with the row offset outer."""
+    width = 2 * parent_width
+    y = torch.div(index, parent_width, rounding_mode='floor')
+    x = index - y * parent_width
+    base = 2 * y * width + 2 * x
+    offsets = torch.tensor([0, 1, width, width + 1], device=index.device, dtype=index.dtype)
+    return (base.unsqueeze(-1) + offsets).flatten(-2)
+
+
+def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.Tensor,
+                   k: int) -> None:
+    """Report the smallest relative gap between the k-th and (k+1)-th largest weight."""
+    if recorder is None or probs.shape[-1] <= k:
+        return
+    top = probs.topk(k + 1, dim=-1).values
+    margin = (top[..., k - 1] - top[..., k]) / top[..., k - 1].clamp_min(1e-30)
+    recorder(level, float(margin.min()))
+
+
+# --------------------------------------------------------------------------- core
+def quadtree_attention_core(queries: Sequence[torch.Tensor],
+                            keys: Sequence[torch.Tensor],
+                            values: Sequence[torch.Tensor],
+                            num_heads: int,
+                            topks: Sequence[int],
+                            attn_type: str = 'B',
+                            level_weights: Optional[torch.Tensor] = None,
+                            lepes: Optional[Sequence[torch.Tensor]] = None,
+                            margin_recorder: Optional[MarginRecorder] = None,
+                            chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Multi-level QuadTree attention on given pyramids (float32 math).
+
+    Level 0 is the coarsest; level ``i + 1`` has twice the height and width of level ``i``.
+
+    Args:
+        queries: per level, ``(B, C, h_i, w_i)`` maps.
+        keys: per level, ``(B, C, h_i, w_i)``.
+        values: per level, ``(B, C, h_i, w_i)``.
+        num_heads: heads ``h`` (head-major channel split, ``d = C / h``).
+        topks: ``topks[i]`` keys each query of level ``i`` passes on for refinement
+            (needed for ``i < S - 1``; variant A also uses ``topks[0]`` when ``S == 1``).
+        attn_type: ``'A'`` (score redistribution, masked messages, plain sum) or ``'B'``
+            (all candidates attended at every level, weighted merge).
+        level_weights: B only, ``(S,)`` weights of the level messages (the official
+            ``softmax(py_att.weight)``); ``None`` means all ones.
+        lepes: B only, optional per-level ``(B, C, h_i, w_i)`` maps added to the level
+            messages before weighting (LePE).
+        margin_recorder: optional callback ``(level, margin)`` receiving, for every used
+            top-k, the smallest ``(k-th - (k+1)-th) / k-th`` weight gap (parity checks).
+        chunk_elements: bound on the gathered elements held at once.
+
+    Returns:
+        ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
+    """
+    if attn_type not in ('A', 'B'):
+        raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
+    S = len(queries)
+    if not len(keys) == len(values) == S:
+        raise ValueError('queries, keys and values need the same number of levels')
+    if len(topks) < max(1, S - 1):
+        raise ValueError(f'{S} levels need {max(1, S - 1)} top-k values, got {tuple(topks)}')
+    h = num_heads
+    B, C, hc, wc = queries[0].shape
+    d = C // h
+    temp = 1.0 / d**0.5
+
+    # ---- coarsest level: full softmax attention
+    q0, k0, v0 = (_to_heads(t.float(), h) for t in (queries[0], keys[0], values[0]))
+    attn = torch.softmax(temp * (q0 @ k0.transpose(-1, -2)), dim=-1)  # (B, h, L0, L0)
+    prev_idx = prev_score = None
+    if S > 1 or attn_type == 'A':
+        K0 = topks[0]
+        if attn.shape[-1] < K0:
+            raise ValueError(f'the coarsest level has {hc}x{wc} = {hc * wc} tokens, fewer than '
+                             f'topk={K0}')
+        _record_margin(margin_recorder, 0, attn, K0)
+        prev_score, prev_idx = attn.topk(K0, dim=-1)
+        weights = attn.scatter(-1, prev_idx, 0.) if attn_type == 'A' else attn
+    else:
+        weights = attn
+    messages: List[torch.Tensor] = [weights @ v0]  # level 0 in raster order (B, h, L0, d)
+
+    # ---- finer levels
+    grid = (hc, wc)
+    for i in range(1, S):
+        final = i == S - 1
+        hi, wi = queries[i].shape[-2:]
+        if (hi, wi) != (2 * grid[0], 2 * grid[1]):
+            raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
+                             f'({grid[0]}x{grid[1]})')
+        q = _group_children(queries[i].float(), h)  # (B, h, L, 4, d)
+        k = _to_heads(keys[i].float(), h)  # (B, h, hi*wi, d)
+        v = _to_heads(values[i].float(), h)
+        cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
+        scores = gathered_scores(q, k, cand, chunk_elements)  # (B, h, L, 4, 4Kp)
+        if attn_type == 'B':
+            attn = torch.softmax(temp * scores, dim=-1)
+        else:
+            Kp = prev_idx.shape[-1]
+            attn = torch.softmax(temp * scores.unflatten(-1, (Kp, 4)), dim=-1)
+            attn = (attn * prev_score[:, :, :, None, :, None]).flatten(-2)
+        weights = attn
+        if not final:
+            Ki = topks[i]
+            _record_margin(margin_recorder, i, attn, Ki)
+            score_i, sel = attn.topk(Ki, dim=-1)  # (B, h, L, 4, Ki)
+            idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
+            prev_idx = _children_to_raster(idx_i, (hi, wi))
+            prev_score = _children_to_raster(score_i, (hi, wi))
+            if attn_type == 'A':
+                weights = attn.scatter(-1, sel, 0.)
+        msg = gathered_messages(weights, v, cand, chunk_elements)  # (B, h, L, 4, d)
+        messages.append(_children_to_raster(msg, (hi, wi)))
+        grid = (hi, wi)
+
+    # ---- merge coarse -> fine
+    grid = (hc, wc)
+    out = None
+    for i, msg in enumerate(messages):
+        if attn_type == 'B':
+            if lepes is not None:
+                msg = msg + _to_heads(lepes[i].float(), h)
+            if level_weights is not None:
+                msg = msg * level_weights[i]
+        if out is None:
+            out = msg
+        else:
+            out = _upsample_tokens(out, grid) + msg
+            grid = (2 * grid[0], 2 * grid[1])
+    return out
+
+
+# --------------------------------------------------------------------------- module
+class _LevelAttentionB(nn.Module):
+    """Container of variant B's level logits ``weight`` ``(S,)`` (entry 0 = coarsest) and the
+    per-level LePE depth-wise convs ``get_vs`` (entry 0 = coarsest); official ``py_att``."""
+
+    def __init__(self, embed_dims: int, num_levels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_levels))
+        self.get_vs = nn.ModuleList([
+            nn.Conv2d(embed_dims, embed_dims, 3, 1, 1, groups=embed_dims)
+            for _ in range(num_levels)
+        ])
+
+
+class QuadTreeAttention(nn.Module):
+    """QuadTree attention replacing spatial-reduction attention in a PVTv2 block.
+
+    Args:
+        embed_dims: channels ``C``.
+        num_heads: heads ``h``.
+        qkv_bias: bias of the 1x1-conv ``q_proj``, ``k_proj``, ``v_proj``.
+        attn_drop: accepted for interface uniformity; must be 0 (the official module
+            has no attention dropout).
+        proj_drop: dropout after ``proj``.
+        attn_type: ``'B'`` (learned value pyramid, level weights, LePE; the released
+            models) or ``'A'`` (avg-pooled values, score redistribution).
+        num_levels: pyramid levels ``S`` (the official ``sr_ratio``; 4, 3, 2, 1 for
+            stages 1-4 of the released models).
+        topk: keys each query passes on to the next finer level: one value, or one per
+            level starting at the coarsest (entries from ``num_levels - 1`` on are unused,
+            like the official finest-level top-k). 8 in the classification models,
+            32 in the dense ones.
+        value_act: activation inside the B value branches: ``'gelu'`` (classification
+            code) or ``'relu'`` (detection/segmentation code); same parameters.
+        chunk_elements: bound on the gathered key/value elements held at once
+            (memory/speed trade-off, no effect on results).
+    """
+
+    def __init__(self,
+                 embed_dims: int,
+                 num_heads: int,
+                 qkv_bias: bool = True,
+                 attn_drop: float = 0.,
+                 proj_drop: float = 0.,
+                 attn_type: str = 'B',
+                 num_levels: int = 1,
+                 topk: Union[int, Sequence[int]] = 32,
+                 value_act: str = 'relu',
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+        super().__init__()
+        if embed_dims % num_heads != 0:
+            raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
+        if attn_drop != 0:
+            raise NotImplementedError('QuadTreeAttention has no attention-weight dropout')
+        if attn_type not in ('A', 'B'):
+            raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
+        if num_levels < 1:
+            raise ValueError(f'num_levels must be >= 1, got {num_levels}')
+        if value_act not in ('relu', 'gelu'):
+            raise ValueError(f"value_act must be 'relu' or 'gelu', got {value_act!r}")
+        topks = (topk, ) * num_levels if isinstance(topk, int) else tuple(int(t) for t in topk)
+        if len(topks) < max(1, num_levels - 1) or any(t < 1 for t in topks):
+            raise ValueError(f'topk must be a positive int or at least {max(1, num_levels - 1)} '
+                             f'positive values (one per level from the coarsest), got {topk}')
+        for i in range(num_levels - 2):
+            if topks[i + 1] > 4 * topks[i]:
+                raise ValueError(f'topk {topks[i + 1]} at level {i + 1} exceeds its '
+                                 f'{4 * topks[i]} candidates (4 x topk of level {i})')
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.attn_type = attn_type
+        self.num_levels = num_levels
+        self.topks = topks
+        self.value_act = value_act
+        self.chunk_elements = chunk_elements
+        #: optional ``(level, margin)`` callback, see ``quadtree_attention_core``
+        self.margin_recorder: Optional[MarginRecorder] = None
+
+        self.q_proj = nn.Conv2d(embed_dims, embed_dims, 1, bias=qkv_bias)
+        self.k_proj = nn.Conv2d(embed_dims, embed_dims, 1, bias=qkv_bias)
+        self.v_proj = nn.Conv2d(embed_dims, embed_dims, 1, bias=qkv_bias)
+        if attn_type == 'B':
+            act = nn.ReLU if value_act == 'relu' else nn.GELU
+            self.value_branchs = nn.ModuleList([
+                nn.Sequential(
+                    nn.GroupNorm(1, embed_dims), act(),
+                    nn.Conv2d(embed_dims, embed_dims, 2, 2), nn.GroupNorm(1, embed_dims), act(),
+                    nn.Conv2d(embed_dims, embed_dims, 1)) for _ in range(num_levels - 1)
+            ])
+            self.py_att = _LevelAttentionB(embed_dims, num_levels)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    @property
+    def uses_topk(self) -> bool:
+        """Whether the coarsest level's top-k selection affects the output."""
+        return self.num_levels > 1 or self.attn_type == 'A'
+
+    @property
+    def size_divisor(self) -> int:
+        """Maps are padded to multiples of this (``2**(num_levels - 1)``)."""
+        return 2**(self.num_levels - 1)
+
+    def min_map_size(self) -> int:
+        """Smallest square map side whose coarsest level holds ``topk`` tokens (1 if the
+        top-k is unused)."""
+        if not self.uses_topk:
+            return 1
+        return self.size_divisor * math.ceil(math.sqrt(self.topks[0]))
+
+    def check_map_size(self, hw_shape: Tuple[int, int]) -> None:
+        """Raise ``ValueError`` if a ``hw_shape`` map is too small for the top-k."""
+        if not self.uses_topk:
+            return
+        f = self.size_divisor
+        hc, wc = -(-hw_shape[0] // f), -(-hw_shape[1] // f)
+        if hc * wc < self.topks[0]:
+            side = self.min_map_size()
+            raise ValueError(
+                f'QuadTreeAttention: a {hw_shape[0]}x{hw_shape[1]} map gives a coarsest level '
+                f'of {hc}x{wc} = {hc * wc} tokens with {self.num_levels} levels, fewer than '
+                f'topk={self.topks[0]}; need ceil(H/{f}) * ceil(W/{f}) >= {self.topks[0]} '
+                f'(e.g. a {side}x{side} map)')
+
+    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        self.check_map_size(hw_shape)
+        x_map = nlc_to_nchw(x, hw_shape)
+        f = self.size_divisor
+        pad_h, pad_w = (-H) % f, (-W) % f
+        if pad_h or pad_w:
+            x_map = F.pad(x_map, (0, pad_w, 0, pad_h))
+        q, k, v = self.q_proj(x_map), self.k_proj(x_map), self.v_proj(x_map)
+        queries, keys, values = [q], [k], [v]  # finest first
+        for t in range(self.num_levels - 1):
+            q, k = F.avg_pool2d(q, 2, 2), F.avg_pool2d(k, 2, 2)
+            v = self.value_branchs[t](v) if self.attn_type == 'B' else F.avg_pool2d(v, 2, 2)
+            queries.append(q)
+            keys.append(k)
+            values.append(v)
+        queries, keys, values = queries[::-1], keys[::-1], values[::-1]  # coarsest first
+
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            level_weights = lepes = None
+            if self.attn_type == 'B':
+                level_weights = torch.softmax(self.py_att.weight.float(), dim=0)
+                lepes = [
+                    F.conv2d(val.float(), conv.weight.float(), conv.bias.float(), padding=1,
+                             groups=C) for val, conv in zip(values, self.py_att.get_vs)
+                ]
+            out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
+                                          self.attn_type, level_weights, lepes,
+                                          self.margin_recorder, self.chunk_elements)
+        Hp, Wp = H + pad_h, W + pad_w
+        out = out.transpose(1, 2).reshape(B, Hp, Wp, C)  # head-major channels
+        if pad_h or pad_w:
+            out = out[:, :H, :W]
+        out = out.reshape(B, N, C).to(x.dtype)
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
+                f'attn_type={self.attn_type!r}, num_levels={self.num_levels}, '
+                f'topk={self.topks[:max(1, self.num_levels - 1)]}, value_act={self.value_act!r}')

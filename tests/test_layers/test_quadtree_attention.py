@@ -1,0 +1,366 @@
+"""QuadTree attention: optimized core vs a literal port of the official computation,
+closed forms (one level = softmax attention + LePE, all-ones values), memory, dtypes."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flatten_mm.models.layers import QuadTreeAttention, build_attention
+from flatten_mm.models.layers.quadtree_attention import (gathered_messages, gathered_scores,
+                                                         quadtree_attention_core)
+
+
+# --------------------------------------------------------------------------- reference
+def ref_score_computation(query, key, index):
+    """Official ``score_computation`` (spec §3.6): query ``[B,N1,4,H,D]``, key ``[B,N2,H,D]``,
+    index ``[B,N1,K,H]`` -> ``[B,N1,4,K,H]``."""
+    B, N1, _, H, D = query.shape
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, 1, 1, H)
+    gathered = key[b, index, h]  # [B, N1, K, H, D]
+    return torch.einsum('bnfhd,bnkhd->bnfkh', query, gathered)
+
+
+def ref_value_aggregation(score, value, index):
+    """Official ``value_aggregation``: score/index ``[B,N,4,K,H]``, value ``[B,M,H,D]`` ->
+    ``[B,N,4,H,D]``."""
+    B, N, f, K, H = score.shape
+    b = torch.arange(B).view(B, 1, 1, 1, 1)
+    h = torch.arange(H).view(1, 1, 1, 1, H)
+    gathered = value[b, index, h]  # [B, N, 4, K, H, D]
+    return torch.einsum('bnfkh,bnfkhd->bnfhd', score, gathered)
+
+
+def tokens(x, nhead):
+    """``[B, C, h, w]`` -> ``[B, h*w, H, D]`` (official rearrange + view)."""
+    B, C, hh, ww = x.shape
+    return x.flatten(2).transpose(1, 2).reshape(B, hh * ww, nhead, C // nhead)
+
+
+def to_raster(x, hw):
+    """``[B, (h w), (t1 t2), *rest]`` -> ``[B, (h t1 w t2), *rest]`` with h, w the coarse grid."""
+    B = x.shape[0]
+    rest = x.shape[3:]
+    hh, ww = hw
+    x = x.reshape(B, hh, ww, 2, 2, *rest).transpose(2, 3)
+    return x.reshape(B, 4 * hh * ww, *rest)
+
+
+def reference_quadtree(queries, keys, values, nhead, topks, attn_type, weight=None, lepes=None):
+    """Literal port of QTAttA/QTAttB (spec §3.2-3.4) in the official layouts; lists are
+    coarsest first, maps ``[B, C, h, w]``. Returns ``[B, h*w, H, D]`` at the finest level."""
+    S = len(queries)
+    B, C, hc, wc = queries[0].shape
+    D = C // nhead
+    temp = 1.0 / D**0.5
+    q, k, v = (tokens(t, nhead) for t in (queries[0], keys[0], values[0]))
+    A = torch.softmax(temp * torch.einsum('nlhd,nshd->nlsh', q, k), dim=-2)
+    score, idx = torch.topk(A, dim=-2, k=topks[0])
+    W = A
+    if attn_type == 'A':
+        W = A * torch.ones_like(A).scatter(-2, idx, 0.)
+    msgs = [torch.einsum('nlsh,nshd->nlhd', W, v)]
+    pos = (idx // wc, idx % wc)
+    for i in range(1, S):
+        final = i == S - 1
+        _, _, hi, wi = queries[i].shape
+        key, value = tokens(keys[i], nhead), tokens(values[i], nhead)
+        query = queries[i].reshape(B, C, hi // 2, 2, wi // 2, 2).permute(0, 2, 4, 3, 5, 1)
+        query = query.reshape(B, -1, 4, nhead, D)
+        L, Kp = query.shape[1], idx.shape[2]
+        cand = torch.stack([(pos[0] * 2 + a) * wi + pos[1] * 2 + b for a in (0, 1)
+                            for b in (0, 1)], dim=3)  # [B, L, Kp, 4, H]
+        cand = cand.reshape(B, L, 4 * Kp, nhead)
+        QK = ref_score_computation(query, key, cand)  # [B, L, 4, 4Kp, H]
+        if attn_type == 'B':
+            A = torch.softmax(temp * QK, dim=-2)
+        else:
+            A = torch.softmax(temp * QK.reshape(B, L, 4, Kp, 4, nhead), dim=-2)
+            A = (A * score.reshape(B, L, 1, Kp, 1, nhead)).reshape(B, L, 4, 4 * Kp, nhead)
+        cand = cand[:, :, None].expand(B, L, 4, 4 * Kp, nhead)
+        W = A
+        if not final:
+            score, sel = torch.topk(A, dim=-2, k=topks[i])
+            if attn_type == 'A':
+                W = A * torch.ones_like(A).scatter(-2, sel, 0.)
+            idx = to_raster(torch.gather(cand, -2, sel), (hi // 2, wi // 2))
+            score = to_raster(score, (hi // 2, wi // 2))
+            pos = (idx // wi, idx % wi)
+        msgs.append(ref_value_aggregation(W, value, cand))  # [B, L, 4, H, D]
+    out = None
+    for i, m in enumerate(msgs):
+        hi, wi = queries[i].shape[-2:]
+        if attn_type == 'B':
+            if lepes is not None:
+                lepe = tokens(lepes[i], nhead)  # raster [B, h*w, H, D]
+                if i > 0:  # group by parent like the messages: [B, L, 4, H, D]
+                    lepe = lepe.reshape(B, hi // 2, 2, wi // 2, 2, nhead, D)
+                    lepe = lepe.permute(0, 1, 3, 2, 4, 5, 6).reshape(B, -1, 4, nhead, D)
+                m = m + lepe
+            m = m * weight[i] if weight is not None else m
+        if out is None:
+            out = m
+        else:
+            out = to_raster(out[:, :, None] + m, (hi // 2, wi // 2))
+    return out
+
+
+def pyramid(B, C, hw, levels, gen):
+    """Random q/k/v pyramids (coarsest first) with the finest level of size ``hw``."""
+    out = []
+    for _ in range(3):
+        maps = [torch.randn(B, C, hw[0] >> s, hw[1] >> s, generator=gen) for s in range(levels)]
+        out.append(maps[::-1])
+    return out
+
+
+# --------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize('chunk', [1, 1 << 25])
+def test_kernels_match_reference(chunk):
+    gen = torch.Generator().manual_seed(1)
+    B, L, H, D, M, K = 2, 6, 3, 4, 20, 5
+    query = torch.randn(B, L, 4, H, D, generator=gen)
+    key = torch.randn(B, M, H, D, generator=gen)
+    index = torch.randint(0, M, (B, L, K, H), generator=gen)
+    ref = ref_score_computation(query, key, index)
+    ours = gathered_scores(query.permute(0, 3, 1, 2, 4), key.transpose(1, 2),
+                           index.permute(0, 3, 1, 2), chunk_elements=chunk)
+    torch.testing.assert_close(ours.permute(0, 2, 3, 4, 1), ref)
+
+    score = torch.randn(B, L, 4, K, H, generator=gen)
+    ref = ref_value_aggregation(score, key, index[:, :, None].expand(B, L, 4, K, H))
+    ours = gathered_messages(score.permute(0, 4, 1, 2, 3), key.transpose(1, 2),
+                             index.permute(0, 3, 1, 2), chunk_elements=chunk)
+    torch.testing.assert_close(ours.permute(0, 2, 3, 1, 4), ref)
+
+
+@pytest.mark.parametrize('fn', [gathered_scores, gathered_messages])
+def test_kernel_gradients(fn):
+    gen = torch.Generator().manual_seed(2)
+    B, h, L, M, K, d = 1, 2, 3, 7, 4, 3
+    a_last = d if fn is gathered_scores else K
+    a = torch.randn(B, h, L, 4, a_last, generator=gen, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(B, h, M, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, M, (B, h, L, K), generator=gen)  # repeated rows accumulate
+    assert torch.autograd.gradcheck(lambda a, s: fn(a, s, index, chunk_elements=8), (a, src))
+
+
+# --------------------------------------------------------------------------- core vs reference
+CASES = [  # (attn_type, levels, finest hw, heads, topks, B: with LePE)
+    ('B', 1, (5, 7), 2, (4, ), True),
+    ('B', 2, (8, 6), 2, (4, 4), True),
+    ('B', 2, (8, 6), 2, (4, 4), False),
+    ('B', 3, (12, 8), 1, (3, 6, 6), True),
+    ('B', 3, (8, 16), 2, (6, 4, 4), True),
+    ('A', 1, (4, 6), 2, (5, ), False),
+    ('A', 2, (6, 10), 3, (4, 4), False),
+    ('A', 3, (8, 12), 2, (4, 5, 5), False),
+]
+
+
+@pytest.mark.parametrize('attn_type,levels,hw,heads,topks,with_lepe', CASES)
+@pytest.mark.parametrize('chunk', [1, 1 << 25])
+def test_core_matches_reference(attn_type, levels, hw, heads, topks, with_lepe, chunk):
+    gen = torch.Generator().manual_seed(3)
+    C = 4 * heads
+    qs, ks, vs = pyramid(2, C, hw, levels, gen)
+    weight = lepes = None
+    if attn_type == 'B':
+        weight = torch.softmax(torch.randn(levels, generator=gen), 0)
+        lepes = [torch.randn_like(v) for v in vs] if with_lepe else None
+    for t in qs + ks + vs:
+        t.requires_grad_(True)
+    ref = reference_quadtree(qs, ks, vs, heads, topks, attn_type, weight, lepes)
+    ours = quadtree_attention_core(qs, ks, vs, heads, topks, attn_type, weight, lepes,
+                                   chunk_elements=chunk)
+    B, N = ref.shape[:2]
+    ours_tokens = ours.transpose(1, 2)  # (B, N, h, d)
+    torch.testing.assert_close(ours_tokens, ref, atol=1e-5, rtol=1e-5)
+    # the custom backward of the gathers agrees with autograd through the reference
+    g = torch.randn(ref.shape, generator=gen)
+    grads_ref = torch.autograd.grad(ref, qs + ks + vs, g)
+    grads = torch.autograd.grad(ours_tokens, qs + ks + vs, g)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_all_ones_values_give_ones():
+    """Attention weights of all levels sum to 1 (A: redistribution; B: per level + level
+    weights); A with a single level drops the top-k keys (official behaviour)."""
+    gen = torch.Generator().manual_seed(4)
+    for attn_type in ('A', 'B'):
+        qs, ks, vs = pyramid(2, 6, (8, 12), 3, gen)
+        ones = [torch.ones_like(v) for v in vs]
+        w = torch.softmax(torch.randn(3, generator=gen), 0) if attn_type == 'B' else None
+        out = quadtree_attention_core(qs, ks, ones, 2, (5, 7), attn_type, level_weights=w)
+        torch.testing.assert_close(out, torch.ones_like(out))
+    q, k = torch.randn(1, 4, 3, 4, generator=gen), torch.randn(1, 4, 3, 4, generator=gen)
+    out = quadtree_attention_core([q], [k], [torch.ones_like(q)], 1, (5, ), 'A')
+    attn = torch.softmax(_tok(q) @ _tok(k).transpose(-1, -2) / 2.0, -1)
+    dropped = attn.topk(5, dim=-1).values.sum(-1, keepdim=True)
+    torch.testing.assert_close(out, (1 - dropped).expand_as(out))
+
+
+def _tok(x, heads=1):
+    B, C, H, W = x.shape
+    return x.reshape(B, heads, C // heads, H * W).transpose(-1, -2)
+
+
+# --------------------------------------------------------------------------- module
+def test_one_level_b_is_softmax_attention_plus_lepe():
+    torch.manual_seed(0)
+    C, heads, (H, W) = 12, 3, (5, 7)
+    m = QuadTreeAttention(C, heads, num_levels=1, topk=100).eval()
+    x = torch.randn(2, H * W, C)
+    x_map = x.transpose(1, 2).reshape(2, C, H, W)
+    q = _tok(m.q_proj(x_map), heads)
+    k = _tok(m.k_proj(x_map), heads)
+    v_map = m.v_proj(x_map)
+    attn = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(C // heads), dim=-1)
+    out = attn @ _tok(v_map, heads) + _tok(m.py_att.get_vs[0](v_map), heads)
+    out = m.proj(out.transpose(1, 2).reshape(2, H * W, C))
+    torch.testing.assert_close(m(x, (H, W)), out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+def test_module_matches_reference_pipeline(attn_type):
+    """Pyramid construction (avg pool / value branches, LePE on each level) as in spec §3.1."""
+    torch.manual_seed(0)
+    C, heads, levels, hw = 8, 2, 3, (8, 12)
+    m = QuadTreeAttention(C, heads, attn_type=attn_type, num_levels=levels, topk=6,
+                          value_act='gelu').eval()
+    x = torch.randn(2, hw[0] * hw[1], C)
+    x_map = x.transpose(1, 2).reshape(2, C, *hw)
+    q, k, v = m.q_proj(x_map), m.k_proj(x_map), m.v_proj(x_map)
+    qs, ks, vs = [q], [k], [v]
+    for t in range(levels - 1):
+        q, k = F.avg_pool2d(q, 2), F.avg_pool2d(k, 2)
+        v = m.value_branchs[t](v) if attn_type == 'B' else F.avg_pool2d(v, 2)
+        qs.append(q)
+        ks.append(k)
+        vs.append(v)
+    qs, ks, vs = qs[::-1], ks[::-1], vs[::-1]
+    weight = lepes = None
+    if attn_type == 'B':
+        weight = torch.softmax(m.py_att.weight, 0)
+        lepes = [conv(val) for conv, val in zip(m.py_att.get_vs, vs)]
+    ref = reference_quadtree(qs, ks, vs, heads, (6, 6, 6), attn_type, weight, lepes)
+    ref = m.proj(ref.reshape(2, -1, C))
+    torch.testing.assert_close(m(x, hw), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_non_divisible_map_is_zero_padded_and_cropped():
+    torch.manual_seed(0)
+    C, (H, W) = 8, (13, 10)
+    m = QuadTreeAttention(C, 2, num_levels=3, topk=4).eval()
+    x = torch.randn(1, H * W, C)
+    out = m(x, (H, W))
+    assert out.shape == x.shape
+    padded = F.pad(x.transpose(1, 2).reshape(1, C, H, W), (0, 2, 0, 3))  # to 16 x 12
+    ref = m(padded.flatten(2).transpose(1, 2), (16, 12)).reshape(1, 16, 12, C)[:, :H, :W]
+    torch.testing.assert_close(out, ref.reshape(1, H * W, C))
+
+
+def test_too_small_map_names_the_minimum():
+    m = QuadTreeAttention(8, 2, num_levels=3, topk=32)
+    assert m.min_map_size() == 4 * 6
+    m(torch.randn(1, 24 * 24, 8), (24, 24))  # coarsest 6x6 = 36 >= 32
+    with pytest.raises(ValueError, match=r'5x5 = 25 tokens.*topk=32.*24x24'):
+        m(torch.randn(1, 20 * 20, 8), (20, 20))
+    # one-level B never uses its top-k: any size works
+    QuadTreeAttention(8, 2, num_levels=1, topk=32)(torch.randn(1, 6, 8), (2, 3))
+    with pytest.raises(ValueError, match='fewer than topk=32'):
+        QuadTreeAttention(8, 2, attn_type='A', num_levels=1, topk=32)(torch.randn(1, 6, 8), (2, 3))
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(attn_type='C'), 'attn_type'),
+    (dict(value_act='silu'), 'value_act'),
+    (dict(num_levels=0), 'num_levels'),
+    (dict(num_levels=3, topk=(4, 20)), 'exceeds'),
+    (dict(num_levels=3, topk=(4, )), 'at least 2'),
+    (dict(num_heads=3), 'divisible'),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(embed_dims=8, num_heads=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        QuadTreeAttention(**args)
+    with pytest.raises(NotImplementedError):
+        QuadTreeAttention(8, 2, attn_drop=0.1)
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+def test_gradients_reach_every_parameter(attn_type):
+    m = QuadTreeAttention(8, 2, attn_type=attn_type, num_levels=3, topk=4)
+    x = torch.randn(2, 8 * 12, 8, requires_grad=True)
+    m(x, (8, 12)).square().sum().backward()
+    # k_proj.bias shifts all scores of a query equally, which softmax ignores: its gradient
+    # is zero up to rounding (also in the official model)
+    missing = [n for n, p in m.named_parameters()
+               if p.grad is None or (not p.grad.any() and n != 'k_proj.bias')]
+    assert not missing
+    assert m.k_proj.bias.grad.abs().max() < 1e-4 * m.k_proj.weight.grad.abs().max()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_bf16_autocast_runs_core_in_float32():
+    m = build_attention(dict(type='flatten_mm.QuadTreeAttention', num_levels=3, topk=4),
+                        embed_dims=16, num_heads=2)
+    x = torch.randn(2, 16 * 12, 16)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = m(x, (16, 12))
+    assert torch.isfinite(out).all()
+    ref = m(x, (16, 12))
+    assert (out.float() - ref).abs().max() < 0.1  # bf16 projections only
+    m_bf16 = m.to(torch.bfloat16)
+    out = m_bf16(x.bfloat16(), (16, 12))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+class _MaxNumel(TorchDispatchMode):
+    """Largest tensor produced by any op (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out, )):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_memory_is_linear_in_tokens():
+    """128 x 128 tokens (N = 16384): no tensor gets anywhere near N x N elements."""
+    H = W = 128
+    N = H * W
+    C, heads, K = 16, 1, 32
+    m = QuadTreeAttention(C, heads, num_levels=4, topk=K)
+    x = torch.randn(1, N, C, requires_grad=True)
+    with _MaxNumel() as mode:
+        m(x, (H, W)).sum().backward()
+    # largest legitimate tensors: the gathered candidate rows of the finest level,
+    # (N/4 parents) x 4K candidates x d, and the 4K scores of every query
+    bound = max(N // 4 * 4 * K * (C // heads), N * 4 * K * heads)
+    assert mode.max_numel <= bound
+    assert mode.max_numel * 16 <= N * N
+    # chunking bounds the gathered rows further
+    small = QuadTreeAttention(C, heads, num_levels=4, topk=K, chunk_elements=1 << 18)
+    small.load_state_dict(m.state_dict())
+    with _MaxNumel() as mode_small:
+        small(x, (H, W)).sum().backward()
+    assert mode_small.max_numel <= N * 4 * K * heads  # now only the score tensors
+
+
+def test_chunking_does_not_change_results():
+    torch.manual_seed(0)
+    m = QuadTreeAttention(8, 2, num_levels=3, topk=4).eval()
+    small = QuadTreeAttention(8, 2, num_levels=3, topk=4, chunk_elements=1).eval()
+    small.load_state_dict(m.state_dict())
+    x = torch.randn(2, 16 * 8, 8)
+    torch.testing.assert_close(small(x, (16, 8)), m(x, (16, 8)))
