@@ -9,6 +9,7 @@ mmdet, the class map for mmseg) through the library's own visualization hook.
 import argparse
 import os
 import os.path as osp
+import sys
 
 from mmengine.config import Config, DictAction
 
@@ -72,6 +73,9 @@ def main(argv=None) -> None:
             else list(cfg.test_evaluator)
         cfg.test_evaluator.append(dict(type='DumpResults', out_file_path=args.out))
 
+    from flatten_mm.utils.mmengine_compat import setup_cpu_distributed
+    for note in setup_cpu_distributed(cfg):  # torchrun on a machine without CUDA
+        print(f'flatten_mm: {note}', file=sys.stderr)
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
     runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)

@@ -74,6 +74,9 @@ def build_cfg(args) -> Config:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = build_cfg(args)
+    from flatten_mm.utils.mmengine_compat import setup_cpu_distributed
+    for note in setup_cpu_distributed(cfg):  # torchrun on a machine without CUDA
+        print(f'flatten_mm: {note}', file=sys.stderr)
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
     if 'runner_type' not in cfg:

@@ -8,7 +8,15 @@ _base_ = '../mmdet/flatten_pvt_v2/mask-rcnn_flatten-pvt-v2-b0_fpn_1x_coco.py'
 data_root = 'demo/data/coco_mini/'
 img_scale = (256, 192)
 
-model = dict(backbone=dict(init_cfg=None))
+# fewer proposals / sampled RoIs than the 1x recipe: the RoI heads dominate CPU time
+model = dict(
+    backbone=dict(init_cfg=None),
+    train_cfg=dict(
+        rpn_proposal=dict(nms_pre=1000, max_per_img=256),
+        rcnn=dict(sampler=dict(num=128))),
+    test_cfg=dict(
+        rpn=dict(nms_pre=500, max_per_img=200),
+        rcnn=dict(max_per_img=50)))
 
 train_pipeline = [
     dict(type='LoadImageFromFile'),

@@ -2,12 +2,14 @@
 
 Foreign (official) checkpoints are read with ``torch.load(weights_only=True)``. The
 official training scripts pickle ``argparse.Namespace`` (SimA, QuadTree) or a yacs
-``CfgNode`` (FLatten) beside the weights; exactly those classes are allow-listed. Any
+``CfgNode`` (FLatten) beside the weights; exactly those classes are allow-listed (the
+``CfgNode`` is loaded as an ``OrderedDict`` of its contents). Any
 other pickled object is refused with an error that names it and the
 ``trust=True`` / ``--trust-checkpoint`` escape hatch (full unpickling: only for files
 from a source you trust).
 """
 import argparse
+import collections
 import os
 import os.path as osp
 import pickle
@@ -20,14 +22,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint file cannot be read or does not fit."""
 
 
+#: yacs ``CfgNode`` (FLatten's pickled config) is rebuilt as an ``OrderedDict``: torch's
+#: weights-only unpickler only fills plain dict types (SETITEM), so allow-listing the class
+#: itself fails; the substitute keeps the data, needs no yacs and runs no yacs code.
+CFGNODE_SUBSTITUTE = (collections.OrderedDict, 'yacs.config.CfgNode')
+
+
 def _safe_globals() -> List[Any]:
-    allowed: List[Any] = [argparse.Namespace]
-    try:  # FLatten pickles its yacs config
-        from yacs.config import CfgNode  # type: ignore
-        allowed.append(CfgNode)
-    except ImportError:
-        pass
-    return allowed
+    return [argparse.Namespace, CFGNODE_SUBSTITUTE]
 
 
 def load_foreign_checkpoint(path: str, trust: bool = False) -> Any:
@@ -51,7 +53,7 @@ def load_foreign_checkpoint(path: str, trust: bool = False) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as err:
-        if 'Weights only load failed' in str(err) or 'Unsupported global' in str(err):
+        if 'Unsupported global' in str(err) or 'GLOBAL' in str(err):
             first = str(err).split('\n')
             detail = next((line.strip() for line in first if 'GLOBAL' in line or 'global' in line),
                           first[0])
@@ -59,9 +61,11 @@ def load_foreign_checkpoint(path: str, trust: bool = False) -> Any:
                 f'{path} contains pickled Python objects that are not on the allow-list '
                 f'({detail}). Only load it with trust=True / --trust-checkpoint if you trust '
                 'its source: full unpickling can execute arbitrary code.') from None
+        detail = next((line.strip() for line in str(err).split('\n')
+                       if line.strip().startswith('Unsupported')), str(err).split('\n')[0])
         raise CheckpointError(f'{path} is not a readable PyTorch checkpoint '
-                              f'(corrupt or truncated?): {err}') from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
+                              f'(corrupt or truncated?): {detail}') from None
+    except Exception as err:  # noqa: BLE001 (a corrupt pickle raises anything)
         raise CheckpointError(f'{path} is not a readable PyTorch checkpoint '
                               f'(corrupt or truncated?): {type(err).__name__}: {err}') from None
 

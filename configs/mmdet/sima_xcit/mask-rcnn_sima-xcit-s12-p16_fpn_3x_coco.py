@@ -8,6 +8,7 @@ _base_ = [
     'mmdet::_base_/datasets/coco_instance.py',
     'mmdet::_base_/schedules/schedule_1x.py',
     'mmdet::_base_/default_runtime.py',
+    '../../_base_/mmdet/ms-crop-3x.py',
 ]
 custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
 
@@ -26,53 +27,10 @@ model = dict(
         init_cfg=dict(type='Pretrained', checkpoint='checkpoints/sima-xcit-s12-p16_in1k.pth')),
     neck=dict(in_channels=[384, 384, 384, 384]))
 
-# augmentation strategy of XCiT / Swin 3x (originates from DETR / Sparse R-CNN)
-train_pipeline = [
-    dict(type='LoadImageFromFile', backend_args={{_base_.backend_args}}),
-    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
-    dict(type='RandomFlip', prob=0.5),
-    dict(
-        type='RandomChoice',
-        transforms=[[
-            dict(
-                type='RandomChoiceResize',
-                scales=[(480, 1333), (512, 1333), (544, 1333), (576, 1333), (608, 1333),
-                        (640, 1333), (672, 1333), (704, 1333), (736, 1333), (768, 1333),
-                        (800, 1333)],
-                keep_ratio=True)
-        ], [
-            dict(
-                type='RandomChoiceResize',
-                scales=[(400, 1333), (500, 1333), (600, 1333)],
-                keep_ratio=True),
-            dict(
-                type='RandomCrop',
-                crop_type='absolute_range',
-                crop_size=(384, 600),
-                allow_negative_crop=True),
-            dict(
-                type='RandomChoiceResize',
-                scales=[(480, 1333), (512, 1333), (544, 1333), (576, 1333), (608, 1333),
-                        (640, 1333), (672, 1333), (704, 1333), (736, 1333), (768, 1333),
-                        (800, 1333)],
-                keep_ratio=True)
-        ]]),
-    dict(type='PackDetInputs')
-]
-train_dataloader = dict(batch_size=2, dataset=dict(pipeline=train_pipeline))
+train_dataloader = dict(batch_size=2, dataset=dict(pipeline={{_base_.ms_crop_train_pipeline}}))
 
-max_epochs = 36
-train_cfg = dict(max_epochs=max_epochs)
-param_scheduler = [
-    dict(type='LinearLR', start_factor=0.001, by_epoch=False, begin=0, end=500),
-    dict(
-        type='MultiStepLR',
-        begin=0,
-        end=max_epochs,
-        by_epoch=True,
-        milestones=[27, 33],
-        gamma=0.1)
-]
+train_cfg = dict(max_epochs={{_base_.schedule_3x_max_epochs}})
+param_scheduler = {{_base_.schedule_3x}}
 
 # XCiT: no weight decay on the LayerNorms
 optim_wrapper = dict(

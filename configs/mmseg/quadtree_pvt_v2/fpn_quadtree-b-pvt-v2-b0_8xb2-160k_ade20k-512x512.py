@@ -5,23 +5,20 @@
 # 160k iterations, 2 images per GPU (8 GPUs assumed); backbone top-k 32, ReLU value
 # branches, drop path 0.1.
 #
-# Test time: the official pipeline resizes (keep ratio, 2048x512) and then stretches to
-# the next multiple of 32 (mmseg 0.x ``AlignResize``). mmseg 1.x has no such transform;
-# here the keep-ratio resize is followed by zero padding to a multiple of 32 in the data
-# preprocessor (``test_cfg=dict(size_divisor=32)``; the padding is cropped from the
-# prediction). QuadTreePVTv2 would also accept unpadded sizes (it pads its stage maps
-# internally), but padding the image keeps inputs in the multiples-of-32 regime the
-# official models saw. Expect small mIoU differences from this substitution.
+# Test time: as the official pipeline, a keep-ratio resize to (2048, 512) followed by a
+# stretch to the next multiple of 32 (mmseg 0.x ``AlignResize``, here
+# ``flatten_mm.AlignResize``).
 _base_ = [
     'mmseg::_base_/models/fpn_r50.py',
     'mmseg::_base_/datasets/ade20k.py',
     'mmseg::_base_/default_runtime.py',
     'mmseg::_base_/schedules/schedule_160k.py',
 ]
-custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+custom_imports = dict(imports=['flatten_mm.models', 'flatten_mm.datasets'],
+                      allow_failed_imports=False)
 
 crop_size = (512, 512)
-data_preprocessor = dict(size=crop_size, test_cfg=dict(size_divisor=32))
+data_preprocessor = dict(size=crop_size)
 model = dict(
     data_preprocessor=data_preprocessor,
     pretrained=None,
@@ -53,6 +50,12 @@ param_scheduler = [
     dict(type='PolyLR', eta_min=0.0, power=1.0, begin=1500, end=160000, by_epoch=False)
 ]
 
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='flatten_mm.AlignResize', scale=(2048, 512), keep_ratio=True, size_divisor=32),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='PackSegInputs')
+]
 train_dataloader = dict(batch_size=2)
-val_dataloader = dict(batch_size=1)
+val_dataloader = dict(batch_size=1, dataset=dict(pipeline=test_pipeline))
 test_dataloader = val_dataloader

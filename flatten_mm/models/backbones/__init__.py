@@ -2,8 +2,10 @@
 from .flatten_cswin import FLattenCSWin
 from .flatten_swin import FLattenSwin
 from .pvt import FLattenPVT, FLattenPVTv2, PyramidVisionBackbone
+from .pvt_hybrid import PVTv2
 from .quadtree_pvt import QuadTreePVTv2
 from .sima_xcit import SimAXCiT
 
 __all__ = ['FLattenCSWin', 'FLattenSwin',
-           'FLattenPVT', 'FLattenPVTv2', 'PyramidVisionBackbone', 'QuadTreePVTv2', 'SimAXCiT']
+           'FLattenPVT', 'FLattenPVTv2', 'PyramidVisionBackbone', 'QuadTreePVTv2', 'SimAXCiT',
+           'PVTv2']

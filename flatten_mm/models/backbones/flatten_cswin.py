@@ -33,6 +33,7 @@ from mmengine.model import BaseModule
 from mmengine.model.weight_init import trunc_normal_
 
 from ...registry import MODELS
+from ...utils.pretrained import load_pretrained
 from ..layers import PreNormBlock, build_attention, nchw_to_nlc
 from .base import check_frozen_stages, check_out_indices, freeze, resolve_arch
 from .flatten_swin import check_input, merge_stage_cfgs
@@ -244,11 +245,15 @@ class FLattenCSWin(BaseModule):
         """Stride (w.r.t. the input) of each returned map."""
         return tuple(4 * 2**i for i in self.out_indices)
 
+    def min_input_size(self) -> Tuple[int, int]:
+        """Smallest input ``(H, W)`` accepted: ``(1, 1)``, any size is padded."""
+        return 1, 1
+
     # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:
         """CSWin initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
         if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            super().init_weights()
+            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):

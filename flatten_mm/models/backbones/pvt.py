@@ -12,6 +12,7 @@ Stage ``i`` (0-based) has stride ``4 * 2**i``. Its attention is built from
 them. Any attention type may sit in any stage.
 """
 import copy
+import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -22,6 +23,7 @@ from mmengine.model.weight_init import trunc_normal_
 from timm.layers import DropPath
 
 from ...registry import MODELS
+from ...utils.pretrained import load_pretrained
 from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
 from .base import (check_frozen_stages, check_out_indices, expand_per_stage, freeze,
                    resolve_arch)
@@ -189,7 +191,7 @@ class PyramidVisionBackbone(BaseModule):
         """PVTv2 initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
         if self.init_cfg is not None and (
                 (isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained')):
-            super().init_weights()
+            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -217,6 +219,60 @@ class PyramidVisionBackbone(BaseModule):
         self._freeze_stages()
         return self
 
+    # ------------------------------------------------------------------ input sizes
+    def _check_stage_maps(self, hw: Tuple[int, int]) -> None:
+        """Run the ``check_map_size`` of every attention that declares one (QuadTree's
+        top-k needs a minimum map) on its stage map for an ``hw`` input."""
+        H, W = hw
+        for i, stage in enumerate(self.stages):
+            stride = 4 * 2**i
+            grid = (math.ceil(H / stride), math.ceil(W / stride))
+            for block in stage.blocks:
+                check = getattr(block.attn, 'check_map_size', None)
+                if check is not None:
+                    try:
+                        check(grid)
+                    except ValueError as err:
+                        raise ValueError(f'stage {i + 1} (stride {stride}, {grid[0]}x{grid[1]} '
+                                         f'map): {err}') from None
+
+    def min_input_size(self) -> Tuple[int, int]:
+        """Smallest square input ``(S, S)`` the backbone accepts: ``(1, 1)`` (any size is
+        padded) unless an attention operator needs a minimum map (QuadTree top-k)."""
+
+        def ok(side: int) -> bool:
+            try:
+                self._check_stage_maps((side, side))
+                return True
+            except ValueError:
+                return False
+
+        hi = 1
+        while not ok(hi):
+            hi *= 2
+            if hi > 2**20:
+                raise ValueError(f'{type(self).__name__}: no input size satisfies the attention '
+                                 'operators of every stage')
+        lo = hi // 2  # fails (or 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        return hi, hi
+
+    def check_input_size(self, hw: Tuple[int, int]) -> None:
+        """Raise ``ValueError`` naming the minimum if an ``hw=(H, W)`` input is too small."""
+        H, W = hw
+        name = type(self).__name__
+        if H < 1 or W < 1:
+            side = self.min_input_size()[0]
+            raise ValueError(f'{name} needs an input of at least {side}x{side} pixels, got {H}x{W}')
+        try:
+            self._check_stage_maps(hw)
+        except ValueError as err:
+            side = self.min_input_size()[0]
+            raise ValueError(f'{name}: a {H}x{W} input is too small: {err}. The smallest square '
+                             f'input is {side}x{side}.') from None
+
     # ------------------------------------------------------------------ forward
     def _run_block(self, block: PVTBlock, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         if self.with_cp and x.requires_grad:
@@ -237,20 +293,24 @@ class PyramidVisionBackbone(BaseModule):
         return x, hw
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Args: x ``(B, C_in, H, W)``, any H, W. Returns the maps of ``out_indices``,
-        ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for ``s = out_strides[k]``."""
+        """Args: x ``(B, C_in, H, W)``, any H, W of at least ``min_input_size()``. Returns the
+        maps of ``out_indices``, ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for
+        ``s = out_strides[k]``."""
         if x.dim() != 4:
             raise ValueError(f'{type(self).__name__} expects a (B, C, H, W) tensor, got {tuple(x.shape)}')
         in_ch = self.stages[0].patch_embed.proj.in_channels
         if x.shape[1] != in_ch:
             raise ValueError(f'{type(self).__name__} was built for {in_ch} input channels, '
                              f'got an input with {x.shape[1]}')
+        self.check_input_size((x.shape[2], x.shape[3]))
         outs = []
         for i in range(self.num_stages):
             tokens, hw = self.forward_stage(i, x)
-            x = tokens.transpose(1, 2).reshape(tokens.shape[0], -1, hw[0], hw[1])
+            # the next stage takes the tokens as a channels-last map (a view, no copy);
+            # returned maps are contiguous NCHW
+            x = tokens.reshape(tokens.shape[0], hw[0], hw[1], -1).permute(0, 3, 1, 2)
             if i in self.out_indices:
-                outs.append(x)
+                outs.append(x.contiguous())
         return tuple(outs)
 
 

@@ -4,13 +4,9 @@ Paper: Tang et al., "QuadTree Attention for Vision Transformers", ICLR 2022,
 https://arxiv.org/abs/2201.02767; upstream https://github.com/Tangshitao/QuadTreeAttention
 @ 549a1ef (Apache-2.0), ``classification/quadtree.py`` and ``detection/quadtree.py``.
 """
-import math
-from typing import Optional, Sequence, Tuple, Union
-
-import torch
+from typing import Optional, Sequence, Union
 
 from ...registry import MODELS
-from ..layers import QuadTreeAttention
 from .base import expand_per_stage
 from .pvt import PyramidVisionBackbone
 
@@ -54,8 +50,9 @@ class QuadTreePVTv2(PyramidVisionBackbone):
     ``2**(levels-1)`` are zero-padded at the bottom/right inside the attention and
     cropped back (the official models need inputs that are multiples of 32). The coarsest
     pyramid level of every stage (the stride-32 grid for the default levels) must hold at
-    least ``topk`` tokens: ``ceil(H/32) * ceil(W/32) >= 32`` by default, e.g. 192x192;
-    smaller inputs raise ``ValueError`` naming the minimum.
+    least ``topk`` tokens: ``ceil(H/32) * ceil(W/32) >= 32`` by default, so the smallest
+    square input is 161x161 (192x192 among multiples of 32); ``min_input_size()`` gives it
+    for the actual configuration and smaller inputs raise ``ValueError`` naming it.
 
     Args:
         arch: variant name or custom dict (keys ``embed_dims, depths, num_heads,
@@ -99,43 +96,3 @@ class QuadTreePVTv2(PyramidVisionBackbone):
             attn_cfg = stage_cfgs
         super().__init__(arch=arch, attn_cfg=attn_cfg, drop_path_rate=drop_path_rate,
                          **kwargs)
-
-    def min_input_size(self) -> Tuple[int, int]:
-        """Smallest square input ``(S, S)`` every stage accepts (from its attention config)."""
-        side = 1
-        for i, stage in enumerate(self.stages):
-            for block in stage.blocks:
-                if isinstance(block.attn, QuadTreeAttention):
-                    side = max(side, 4 * 2**i * block.attn.min_map_size())
-        return side, side
-
-    def check_input_size(self, hw: Tuple[int, int]) -> None:
-        """Raise ``ValueError`` if an ``hw=(H, W)`` input is too small for some stage."""
-        H, W = hw
-        for i, stage in enumerate(self.stages):
-            stride = 4 * 2**i
-            grid = (math.ceil(H / stride), math.ceil(W / stride))
-            for block in stage.blocks:
-                attn = block.attn
-                if not isinstance(attn, QuadTreeAttention) or not attn.uses_topk:
-                    continue
-                coarse_stride = stride * attn.size_divisor
-                hc, wc = math.ceil(H / coarse_stride), math.ceil(W / coarse_stride)
-                if hc * wc < attn.topks[0]:
-                    side = self.min_input_size()[0]
-                    raise ValueError(
-                        f'{type(self).__name__}: a {H}x{W} input is too small: stage {i + 1} '
-                        f'({grid[0]}x{grid[1]} map, {attn.num_levels} pyramid levels) has a '
-                        f'coarsest level of {hc}x{wc} = {hc * wc} tokens, fewer than '
-                        f'topk={attn.topks[0]}. Inputs need ceil(H/{coarse_stride}) * '
-                        f'ceil(W/{coarse_stride}) >= {attn.topks[0]}; the smallest square '
-                        f'input is {side}x{side}.')
-                break
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Args: x ``(B, C_in, H, W)``, any H, W meeting the minimum size (see class doc).
-        Returns the maps of ``out_indices``, ``(B, out_channels[k], ceil(H / s), ceil(W / s))``
-        for ``s = out_strides[k]``."""
-        if x.dim() == 4:
-            self.check_input_size((x.shape[2], x.shape[3]))
-        return super().forward(x)

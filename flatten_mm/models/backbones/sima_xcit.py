@@ -21,6 +21,7 @@ from mmengine.model.weight_init import trunc_normal_
 from timm.layers import DropPath
 
 from ...registry import MODELS
+from ...utils.pretrained import load_pretrained
 from ..layers import (LPI, ConvPatchEmbed, FourierPositionalEncoding, PVTMlp, build_attention,
                       nlc_to_nchw)
 from .base import check_frozen_stages, freeze, resolve_arch
@@ -276,6 +277,10 @@ class SimAXCiT(BaseModule):
         """Stride (w.r.t. the input) of each returned map."""
         return (4, 8, 16, 32)
 
+    def min_input_size(self) -> Tuple[int, int]:
+        """Smallest input ``(H, W)`` accepted: ``(1, 1)``, any size is padded."""
+        return 1, 1
+
     # ------------------------------------------------------------------ build helpers
     @classmethod
     def _split_patch_suffix(cls, arch: Union[str, dict],
@@ -314,7 +319,7 @@ class SimAXCiT(BaseModule):
     def init_weights(self) -> None:
         """XCiT initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
         if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            super().init_weights()
+            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -350,6 +355,9 @@ class SimAXCiT(BaseModule):
         if x.shape[1] != self.in_channels:
             raise ValueError(f'{name} was built for {self.in_channels} input channels, '
                              f'got an input with {x.shape[1]}')
+        if x.shape[2] < 1 or x.shape[3] < 1:
+            raise ValueError(f'{name} needs an input of at least 1x1 pixels, '
+                             f'got {x.shape[2]}x{x.shape[3]}')
 
     def embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Embed ``(B, C_in, H, W)`` and add the positional encoding. Returns tokens

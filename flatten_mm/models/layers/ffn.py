@@ -4,8 +4,7 @@ from typing import Tuple
 import torch
 import torch.nn as nn
 
-from .conv import depthwise_conv
-from .shape import nchw_to_nlc, nlc_to_nchw
+from .conv import token_conv
 
 
 class PVTMlp(nn.Module):
@@ -37,6 +36,6 @@ class PVTMlp(nn.Module):
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         x = self.relu(self.fc1(x))
         if self.dwconv is not None:
-            x = nchw_to_nlc(depthwise_conv(self.dwconv, nlc_to_nchw(x, hw_shape)))
+            x = token_conv(self.dwconv, x, hw_shape)  # channels-last view, no copies
         x = self.drop(self.act(x))
         return self.drop(self.fc2(x))

@@ -23,9 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .conv import depthwise_conv
-from .pos_embed import resize_pos_table
-from .shape import nchw_to_nlc, nlc_to_nchw
+from .conv import depthwise_conv, map_as_tokens, token_conv, tokens_as_map
+from .pos_embed import PosTableCache, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
 
@@ -78,22 +77,11 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, N, h * d)
 
 
-def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        scale: torch.Tensor, num_heads: int,
-                        focusing_factor: int) -> torch.Tensor:
-    """Kernel + linear attention on full-channel tokens, computed in float32.
-
-    Args:
-        q: ``(B, N, C)`` queries.
-        k: ``(B, n, C)`` keys (positional encoding added).
-        v: ``(B, n, C)`` values.
-        scale: raw ``(1, 1, C)`` scale parameter.
-        num_heads: heads ``h`` (``C % h == 0``).
-        focusing_factor: power ``p``.
-
-    Returns:
-        ``(B, N, C)`` attention output in the dtype of ``v`` (without DWC).
-    """
+def focused_linear_core_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  scale: torch.Tensor, num_heads: int,
+                                  focusing_factor: int) -> torch.Tensor:
+    """Unfused ``focused_linear_core``: the formula step by step (``focused_feature_map``
+    then ``linear_attention``), float32. Kept as the reference of the fused path (tests)."""
     out_dtype = v.dtype
     with torch.autocast(device_type=q.device.type, enabled=False):
         # at least float32 (float64 inputs stay float64)
@@ -103,6 +91,93 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = linear_attention(split_heads(q, num_heads), split_heads(k, num_heads),
                                split_heads(v.to(dt), num_heads))
     return merge_heads(out).to(out_dtype)
+
+
+def _kernel_parts(x: torch.Tensor, inv_scale: torch.Tensor, p: int, inplace: bool,
+                  owned: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``y = ((ReLU(x) + 1e-6) / softplus(scale))^p`` and the per-token factor
+    ``r = ||base|| / ||y||`` with ``phi_p(x) = r * y``.
+
+    With ``inplace`` (no autograd) one new buffer is written in place; ``owned`` says
+    that ``x`` itself is a temporary of the caller and may be overwritten."""
+    if inplace:
+        y = x.relu_() if owned else F.relu(x)
+        y.add_(1e-6).mul_(inv_scale)
+    else:
+        y = (F.relu(x) + 1e-6) * inv_scale
+    norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    y = y.pow_(p) if inplace else y**p
+    norm_p = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    r = norm.div_(norm_p) if inplace else norm / norm_p
+    return y, r
+
+
+def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: torch.Tensor, num_heads: int,
+                        focusing_factor: int,
+                        k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Kernel + linear attention on full-channel tokens, computed in float32.
+
+    Fused form of ``focused_linear_core_reference`` (same maths, rounding-level
+    differences): with ``phi_p(x) = r(x) * y(x)`` (``y`` the powered base, ``r`` a
+    per-token scalar, see ``_kernel_parts``), the query factor ``r_q`` cancels in
+    ``phi(q) KV / (phi(q) . mean(phi(K)) + 1e-6)`` except in the epsilon, which becomes
+    ``1e-6 / r_q``; so ``phi(q)`` is never materialised. Without autograd the kernel
+    runs in place on one buffer per side, keys first (their features are freed before
+    the query side starts): peak memory is about two ``(B, N, C)`` float32 buffers.
+
+    Args:
+        q: ``(B, N, C)`` queries.
+        k: ``(B, n, C)`` keys.
+        v: ``(B, n, C)`` values.
+        scale: raw ``(1, 1, C)`` scale parameter.
+        num_heads: heads ``h`` (``C % h == 0``).
+        focusing_factor: power ``p``.
+        k_pos: optional positional encoding ``(1, n, C)`` added to the keys first.
+
+    Returns:
+        ``(B, N, C)`` attention output in the dtype of ``v`` (without DWC).
+    """
+    out_dtype = v.dtype
+    B, N, C = q.shape
+    n = k.shape[1]
+    h = num_heads
+    d = C // h
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        # at least float32 (float64 inputs stay float64)
+        dt = torch.promote_types(v.dtype, torch.float32)
+        tracked = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, scale, k_pos))
+        inplace = not tracked
+        inv_scale = 1.0 / F.softplus(scale.to(dt))
+        # ---- keys: phi(K), then K^T V / n and mean(phi(K)) per head
+        kf = k.to(dt)
+        if k_pos is not None:
+            kf = kf + k_pos.to(dt)
+        # kf is our own temporary when it is a sum or a cast copy
+        yk, rk = _kernel_parts(kf, inv_scale, focusing_factor, inplace,
+                               owned=kf is not k)
+        del kf
+        phi_k = yk.mul_(rk) if inplace else yk * rk
+        kh = phi_k.view(B, n, h, d).transpose(1, 2)  # (B, h, n, d)
+        vh = v.to(dt).reshape(B, n, h, d).transpose(1, 2)
+        kv = (kh.transpose(-2, -1) @ vh).div_(n)  # (B, h, d, d)
+        k_mean = kh.mean(dim=-2, keepdim=True).transpose(-2, -1)  # (B, h, d, 1)
+        del yk, phi_k, kh, vh
+        # ---- queries: y(q) KV / (y(q) . mean + 1e-6 / r_q)
+        qf = q.to(dt)
+        yq, rq = _kernel_parts(qf, inv_scale, focusing_factor, inplace, owned=qf is not q)
+        del qf
+        qh = yq.view(B, N, h, d).transpose(1, 2)  # (B, h, N, d)
+        den = qh @ k_mean  # (B, h, N, 1)
+        eps = (1e-6 / rq).view(B, 1, N, 1)
+        if inplace:
+            out = (qh @ kv).div_(den.add_(eps))
+        else:
+            out = (qh @ kv) / (den + eps)
+        del yq, qh
+        out = merge_heads(out)
+    return out.to(out_dtype)
 
 
 class FocusedLinearAttention(nn.Module):
@@ -179,6 +254,8 @@ class FocusedLinearAttention(nn.Module):
             torch.zeros(1, self.pe_hw_shape[0] * self.pe_hw_shape[1], embed_dims))
         self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size=kernel_size,
                              groups=self.head_dims, padding=kernel_size // 2)
+        #: resized positional tables per key grid (inference only, see PosTableCache)
+        self.pe_cache = PosTableCache()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A table stored for another pretraining grid (e.g. a 384 fine-tuned checkpoint)
@@ -197,16 +274,17 @@ class FocusedLinearAttention(nn.Module):
     def reduce_kv_input(self, x: torch.Tensor, hw_shape: Tuple[int, int]
                         ) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Tokens that produce K and V, with their grid."""
+        # tokens are viewed as a channels-last map (no transposed copies)
         if self.linear:
-            x_ = self.pool(nlc_to_nchw(x, hw_shape))
-            x_ = self.act(self.norm(nchw_to_nlc(self.sr(x_))))
+            x_ = self.pool(tokens_as_map(x, hw_shape))
+            x_ = self.act(self.norm(map_as_tokens(self.sr(x_))))
             return x_, (7, 7)
         if self.sr_ratio > 1:
-            x_ = self.sr(nlc_to_nchw(x, hw_shape))
+            x_ = self.sr(tokens_as_map(x, hw_shape))
             kv_hw = (x_.shape[2], x_.shape[3])
             if kv_hw[0] == 0 or kv_hw[1] == 0:
                 raise ValueError(f'feature map {hw_shape} is smaller than sr_ratio {self.sr_ratio}')
-            return self.norm(nchw_to_nlc(x_)), kv_hw
+            return self.norm(map_as_tokens(x_)), kv_hw
         return x, hw_shape
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
@@ -215,19 +293,21 @@ class FocusedLinearAttention(nn.Module):
         q = self.q(x)
         x_kv, kv_hw = self.reduce_kv_input(x, hw_shape)
         k, v = self.kv(x_kv).chunk(2, dim=-1)
-        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
-                              self.pe_interp_mode)
-        k = k + pe
-        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor)
+        pe = self.pe_cache(self.positional_encoding, self.pe_hw_shape, kv_hw,
+                           self.pe_interp_mode)
+        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
+                                  k_pos=pe)
 
-        # rank restoration: depthwise conv on V (heads folded into the batch)
+        # rank restoration: depthwise conv on V, shared by the heads
         n = v.shape[1]
-        h, d = self.num_heads, self.head_dims
-        v_img = v.reshape(B, n, h, d).permute(0, 2, 3, 1).reshape(B * h, d, n)
-        if n != N:
+        if n == N:
+            dwc = token_conv(self.dwc, v, hw_shape, repeat=self.num_heads)
+        else:  # reduced keys: V is resized along the token sequence first (official)
+            h, d = self.num_heads, self.head_dims
+            v_img = v.reshape(B, n, h, d).permute(0, 2, 3, 1).reshape(B * h, d, n)
             v_img = F.interpolate(v_img, size=N, mode='linear', align_corners=False)
-        v_img = v_img.reshape(B * h, d, hw_shape[0], hw_shape[1])
-        dwc = depthwise_conv(self.dwc, v_img).reshape(B, C, N).transpose(1, 2)
+            v_img = v_img.reshape(B * h, d, hw_shape[0], hw_shape[1])
+            dwc = depthwise_conv(self.dwc, v_img).reshape(B, C, N).transpose(1, 2)
         out = out + dwc.to(out.dtype)
         return self.proj_drop(self.proj(out))
 
@@ -315,6 +395,8 @@ class _FocusedLinearRegion(nn.Module):
                              groups=self.head_dims, padding=kernel_size // 2)
         self.get_v = nn.Conv2d(embed_dims, embed_dims, kernel_size=3, padding=1,
                                groups=embed_dims) if lepe else None
+        #: resized positional tables per region grid (inference only)
+        self.pe_cache = PosTableCache()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a square table of another pretraining grid (e.g. 224 weights in a 384 model) is
@@ -337,14 +419,13 @@ class _FocusedLinearRegion(nn.Module):
         N = q.shape[1]
         if N != hw_shape[0] * hw_shape[1]:
             raise ValueError(f'token count {N} does not match hw_shape {tuple(hw_shape)}')
-        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
-                              self.pe_interp_mode)
-        out = focused_linear_core(q, k + pe, v, self.scale, self.num_heads,
-                                  self.focusing_factor)
-        out = out + depthwise_conv_heads(self.dwc, v, hw_shape, self.num_heads).to(out.dtype)
+        pe = self.pe_cache(self.positional_encoding, self.pe_hw_shape, hw_shape,
+                           self.pe_interp_mode)
+        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
+                                  k_pos=pe)
+        out = out + token_conv(self.dwc, v, hw_shape, repeat=self.num_heads).to(out.dtype)
         if self.get_v is not None:
-            lepe = nchw_to_nlc(depthwise_conv(self.get_v, nlc_to_nchw(v, hw_shape)))
-            out = out + lepe.to(out.dtype)
+            out = out + token_conv(self.get_v, v, hw_shape).to(out.dtype)
         return out
 
     def extra_repr(self) -> str:

@@ -31,9 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .conv import depthwise_conv
+from .conv import token_conv
 from .focused_linear_attention import FocusedLinearQKV
-from .shape import nchw_to_nlc, nlc_to_nchw
 from .window import crop_padding, pad_to_multiple, window_partition, window_reverse
 
 
@@ -63,7 +62,7 @@ class LePEAttention(nn.Module):
         Returns ``(B, N, Cm)``."""
         B, N, C = q.shape
         h = self.num_heads
-        lepe = nchw_to_nlc(depthwise_conv(self.get_v, nlc_to_nchw(v, hw_shape)))
+        lepe = token_conv(self.get_v, v, hw_shape)
         q, k, v = (t.reshape(B, N, h, C // h).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0.)

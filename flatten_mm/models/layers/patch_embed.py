@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .shape import nchw_to_nlc
+from .conv import map_as_tokens
 
 
 class PVTPatchEmbed(nn.Module):
@@ -51,4 +51,5 @@ class PVTPatchEmbed(nn.Module):
                 x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.proj(x)
         hw = (x.shape[2], x.shape[3])
-        return self.norm(nchw_to_nlc(x)), hw
+        # a view for channels-last maps (stages 2-4 get the previous tokens as one)
+        return self.norm(map_as_tokens(x)), hw

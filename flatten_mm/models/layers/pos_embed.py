@@ -40,3 +40,60 @@ def resize_pos_table(table: torch.Tensor, src_hw: Tuple[int, int],
     grid = F.interpolate(grid.float(), size=tuple(dst_hw), mode=mode,
                          align_corners=False).to(table.dtype)
     return grid.flatten(2).transpose(1, 2)
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, 'compiler', None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+class PosTableCache:
+    """Per-shape cache of resized positional tables, for inference.
+
+    ``resize_pos_table`` at a foreign grid interpolates the whole table in every block and
+    every forward; at dense-prediction sizes that is a large share of the positional
+    work. The cache keeps the last resized table per ``(grid, mode, device, dtype)`` and
+    reuses it while the stored table is unchanged (same storage and version counter, so
+    an optimizer step, ``load_state_dict`` or ``.to()`` invalidates it). It is bypassed
+    whenever the result must be differentiable (grad mode with a trainable table) and
+    under ``torch.compile`` (the resize is then traced like any other op). Not part of
+    the state dict.
+
+    Args:
+        max_entries: shapes kept before the cache is emptied.
+    """
+
+    def __init__(self, max_entries: int = 8) -> None:
+        self.max_entries = max_entries
+        self._entries: dict = {}
+
+    def __call__(self, table: torch.Tensor, src_hw: Tuple[int, int],
+                 dst_hw: Tuple[int, int], mode: str = 'bilinear') -> torch.Tensor:
+        """``resize_pos_table(table, src_hw, dst_hw, mode)``, cached when allowed."""
+        if tuple(src_hw) == tuple(dst_hw):
+            return table
+        if (table.requires_grad and torch.is_grad_enabled()) or _is_compiling():
+            return resize_pos_table(table, src_hw, dst_hw, mode)
+        key = (tuple(dst_hw), mode, table.device, table.dtype)
+        stamp = (table.data_ptr(), table._version, tuple(src_hw))
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        out = resize_pos_table(table.detach(), src_hw, dst_hw, mode)
+        self._entries[key] = (stamp, out)
+        return out
+
+    def clear(self) -> None:
+        """Drop every cached table."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __deepcopy__(self, memo) -> 'PosTableCache':
+        return PosTableCache(self.max_entries)
+
+    def __getstate__(self) -> dict:
+        return {'max_entries': self.max_entries, '_entries': {}}

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .shape import nlc_to_nchw
+from .conv import tokens_as_map
 
 #: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
 MarginRecorder = Callable[[int, float], None]
@@ -77,7 +77,7 @@ class _GatheredMatmul(torch.autograd.Function):
         B, h, L, nf, _ = a.shape
         M, d = src.shape[2], src.shape[3]
         K = index.shape[-1]
-        table = src.reshape(B * h * M, d)
+        table = src.reshape(B * h * M, d).contiguous()  # rows of d floats
         out = a.new_empty(B, h, L, nf, K if transpose_src else d)
         for s in range(0, L, chunk):
             e = min(L, s + chunk)
@@ -97,7 +97,7 @@ class _GatheredMatmul(torch.autograd.Function):
         B, h, L = a.shape[:3]
         M, d = src.shape[2], src.shape[3]
         K = index.shape[-1]
-        table = src.reshape(B * h * M, d)
+        table = src.reshape(B * h * M, d).contiguous()  # rows of d floats
         need_a, need_src = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_a = torch.empty_like(a) if need_a else None
         grad_table = torch.zeros_like(table) if need_src else None
@@ -158,23 +158,42 @@ def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Te
     Returns:
         ``(B, h, L, F, d)``.
     """
+    if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
+        return _weighted_rows_sum(weight, value, index)
     chunk = _chunk_size(weight, index, value.shape[-1], chunk_elements)
     return _GatheredMatmul.apply(weight, value, index, False, chunk)
 
 
+def _weighted_rows_sum(weight: torch.Tensor, value: torch.Tensor,
+                       index: torch.Tensor) -> torch.Tensor:
+    """Inference path of ``gathered_messages``: a weighted ``embedding_bag`` per child query,
+    so the gathered value rows are never materialised (only ``int64`` row lists, 4x
+    smaller than the rows for ``d = 32``). Same result as the gather + matmul path."""
+    B, h, L, nf, K = weight.shape
+    M, d = value.shape[2], value.shape[3]
+    table = value.reshape(B * h * M, d).contiguous()
+    rows = _flat_rows(index, M).view(B * h * L, 1, K).expand(B * h * L, nf, K)
+    out = F.embedding_bag(rows.reshape(-1, K), table, mode='sum',
+                          per_sample_weights=weight.reshape(-1, K).contiguous())
+    return out.view(B, h, L, nf, d)
+
+
 # --------------------------------------------------------------------------- layout helpers
 def _to_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Map ``(B, C, H, W)`` -> ``(B, h, H*W, d)`` (head-major channels, raster tokens)."""
+    """Map ``(B, C, H, W)`` -> ``(B, h, H*W, d)`` (head-major channels, raster tokens).
+
+    Each ``d``-row is contiguous in memory (a view for channels-last maps, whose memory
+    is the token layout; one copy for contiguous NCHW maps)."""
     B, C, H, W = x.shape
-    return x.reshape(B, num_heads, C // num_heads, H * W).transpose(-1, -2)
+    return x.permute(0, 2, 3, 1).reshape(B, H * W, num_heads, C // num_heads).transpose(1, 2)
 
 
 def _group_children(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Map ``(B, C, H, W)`` -> ``(B, h, (H/2)(W/2), 4, d)``: parents in raster order of the
     coarser grid, children ordered ``(t1, t2) = (0,0), (0,1), (1,0), (1,1)``."""
     B, C, H, W = x.shape
-    x = x.reshape(B, num_heads, C // num_heads, H // 2, 2, W // 2, 2)
-    return x.permute(0, 1, 3, 5, 4, 6, 2).reshape(B, num_heads, (H // 2) * (W // 2), 4,
+    x = x.permute(0, 2, 3, 1).reshape(B, H // 2, 2, W // 2, 2, num_heads, C // num_heads)
+    return x.permute(0, 5, 1, 3, 2, 4, 6).reshape(B, num_heads, (H // 2) * (W // 2), 4,
                                                   C // num_heads)
 
 
@@ -272,7 +291,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             raise ValueError(f'the coarsest level has {hc}x{wc} = {hc * wc} tokens, fewer than '
                              f'topk={K0}')
         _record_margin(margin_recorder, 0, attn, K0)
-        prev_score, prev_idx = attn.topk(K0, dim=-1)
+        prev_score, prev_idx = attn.topk(K0, dim=-1, sorted=False)
         weights = attn.scatter(-1, prev_idx, 0.) if attn_type == 'A' else attn
     else:
         weights = attn
@@ -301,7 +320,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         if not final:
             Ki = topks[i]
             _record_margin(margin_recorder, i, attn, Ki)
-            score_i, sel = attn.topk(Ki, dim=-1)  # (B, h, L, 4, Ki)
+            score_i, sel = attn.topk(Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
             idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
             prev_idx = _children_to_raster(idx_i, (hi, wi))
             prev_score = _children_to_raster(score_i, (hi, wi))
@@ -452,17 +471,25 @@ class QuadTreeAttention(nn.Module):
                 f'topk={self.topks[0]}; need ceil(H/{f}) * ceil(W/{f}) >= {self.topks[0]} '
                 f'(e.g. a {side}x{side} map)')
 
-    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
-        """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
-        B, N, C = x.shape
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """QuadTree attention on projected tokens (no ``q/k/v_proj``, no ``proj``).
+
+        Builds the pyramids (2x2 average pooling; variant B: the learned value branches
+        and the LePE convs) and runs ``quadtree_attention_core`` in float32.
+
+        Args:
+            q, k, v: ``(B, N, C)`` tokens of an ``hw_shape`` map whose sides are
+                multiples of ``size_divisor`` (the padded map).
+            hw_shape: ``(H, W)``.
+
+        Returns:
+            ``(B, N, C)`` float32 messages (head-major channels).
+        """
+        B, N, C = q.shape
         H, W = hw_shape
-        self.check_map_size(hw_shape)
-        x_map = nlc_to_nchw(x, hw_shape)
-        f = self.size_divisor
-        pad_h, pad_w = (-H) % f, (-W) % f
-        if pad_h or pad_w:
-            x_map = F.pad(x_map, (0, pad_w, 0, pad_h))
-        q, k, v = self.q_proj(x_map), self.k_proj(x_map), self.v_proj(x_map)
+        # tokens are channels-last maps: pooling and convs run on views, no copies
+        q, k, v = (tokens_as_map(t, hw_shape) for t in (q, k, v))
         queries, keys, values = [q], [k], [v]  # finest first
         for t in range(self.num_levels - 1):
             q, k = F.avg_pool2d(q, 2, 2), F.avg_pool2d(k, 2, 2)
@@ -472,7 +499,7 @@ class QuadTreeAttention(nn.Module):
             values.append(v)
         queries, keys, values = queries[::-1], keys[::-1], values[::-1]  # coarsest first
 
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.autocast(device_type=q.device.type, enabled=False):
             level_weights = lepes = None
             if self.attn_type == 'B':
                 level_weights = torch.softmax(self.py_att.weight.float(), dim=0)
@@ -483,10 +510,24 @@ class QuadTreeAttention(nn.Module):
             out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
                                           self.attn_type, level_weights, lepes,
                                           self.margin_recorder, self.chunk_elements)
-        Hp, Wp = H + pad_h, W + pad_w
-        out = out.transpose(1, 2).reshape(B, Hp, Wp, C)  # head-major channels
+        return out.transpose(1, 2).reshape(B, N, C)  # head-major channels
+
+    def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
+        B, N, C = x.shape
+        H, W = hw_shape
+        self.check_map_size(hw_shape)
+        f = self.size_divisor
+        pad_h, pad_w = (-H) % f, (-W) % f
         if pad_h or pad_w:
-            out = out[:, :H, :W]
+            x = F.pad(x.reshape(B, H, W, C), (0, 0, 0, pad_w, 0, pad_h)).reshape(B, -1, C)
+        Hp, Wp = H + pad_h, W + pad_w
+        # the 1x1-conv projections as matmuls on the tokens (same maths, no NCHW copies)
+        q, k, v = (F.linear(x, conv.weight.reshape(C, C), conv.bias)
+                   for conv in (self.q_proj, self.k_proj, self.v_proj))
+        out = self.attend(q, k, v, (Hp, Wp))
+        if pad_h or pad_w:
+            out = out.reshape(B, Hp, Wp, C)[:, :H, :W]
         out = out.reshape(B, N, C).to(x.dtype)
         return self.proj_drop(self.proj(out))
 

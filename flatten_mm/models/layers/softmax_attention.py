@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .shape import nchw_to_nlc, nlc_to_nchw
+from .conv import map_as_tokens, tokens_as_map
 
 
 class SpatialReductionAttention(nn.Module):
@@ -56,19 +56,29 @@ class SpatialReductionAttention(nn.Module):
             self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(embed_dims)
 
+    def check_map_size(self, hw_shape: Tuple[int, int]) -> None:
+        """Raise ``ValueError`` if the map is smaller than the reduction conv
+        (``sr_ratio`` x ``sr_ratio``, no padding, as upstream)."""
+        if not self.linear and self.sr_ratio > 1 and min(hw_shape) < self.sr_ratio:
+            raise ValueError(f'SpatialReductionAttention: a {hw_shape[0]}x{hw_shape[1]} map is '
+                             f'smaller than the {self.sr_ratio}x{self.sr_ratio} reduction conv '
+                             f'(sr_ratio={self.sr_ratio})')
+
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
+        self.check_map_size(hw_shape)
         B, N, C = x.shape
         h = self.num_heads
         q = self.q(x).reshape(B, N, h, C // h).transpose(1, 2)
+        # tokens viewed as a channels-last map (no transposed copies)
         if self.linear:
-            x_ = self.sr(self.pool(nlc_to_nchw(x, hw_shape)))
-            x_ = self.act(self.norm(nchw_to_nlc(x_)))
+            x_ = self.sr(self.pool(tokens_as_map(x, hw_shape)))
+            x_ = self.act(self.norm(map_as_tokens(x_)))
         elif self.sr_ratio > 1:
-            x_ = self.sr(nlc_to_nchw(x, hw_shape))
+            x_ = self.sr(tokens_as_map(x, hw_shape))
             if x_.shape[2] == 0 or x_.shape[3] == 0:
                 raise ValueError(f'feature map {hw_shape} is smaller than sr_ratio {self.sr_ratio}')
-            x_ = self.norm(nchw_to_nlc(x_))
+            x_ = self.norm(map_as_tokens(x_))
         else:
             x_ = x
         k, v = self.kv(x_).reshape(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)

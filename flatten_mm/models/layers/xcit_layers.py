@@ -20,7 +20,8 @@ from typing import Callable, Tuple
 import torch
 import torch.nn as nn
 
-from .shape import nchw_to_nlc, nlc_to_nchw
+from .conv import map_as_tokens, tokens_as_map
+from .shape import nchw_to_nlc
 
 NormFactory = Callable[[int], nn.Module]
 
@@ -154,6 +155,7 @@ class LPI(nn.Module):
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape`` grid. Returns ``(B, N, C)``."""
-        x = nlc_to_nchw(x, hw_shape)
+        # tokens viewed as a channels-last map: no transposed copies
+        x = tokens_as_map(x, hw_shape)
         x = self.conv2(self.bn(self.act(self.conv1(x))))
-        return nchw_to_nlc(x)
+        return map_as_tokens(x)

@@ -1,0 +1,52 @@
+# Semantic FPN 80k, ADE20K 512x512, with a hybrid PVTv2-b1: Focused Linear Attention
+# (FLatten; p=3, 5x5 DWC) in stages 1-2 and SimA (softmax-free, L1-normalised q/k) in
+# stages 3-4. Built from the generic `flatten_mm.PVTv2` skeleton through `attn_cfg`; no
+# new class. No published result exists for this combination. Recipe = the FLatten-PVTv2
+# Semantic FPN recipe of configs/mmseg/flatten_pvt_v2 (PVT protocol: AdamW 1e-4, wd 1e-4,
+# poly 0.9, 80k iterations, batch 16).
+_base_ = [
+    'mmseg::_base_/models/fpn_r50.py',
+    'mmseg::_base_/datasets/ade20k.py',
+    'mmseg::_base_/default_runtime.py',
+    'mmseg::_base_/schedules/schedule_80k.py',
+]
+custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+
+crop_size = (512, 512)
+data_preprocessor = dict(size=crop_size)
+model = dict(
+    data_preprocessor=data_preprocessor,
+    pretrained=None,
+    backbone=dict(
+        _delete_=True,
+        type='flatten_mm.PVTv2',
+        arch='b1',
+        attn_cfg=[
+            dict(type='FocusedLinearAttention', focusing_factor=3, kernel_size=5),
+            dict(type='FocusedLinearAttention', focusing_factor=3, kernel_size=5),
+            dict(type='SimAAttention'),
+            dict(type='SimAAttention'),
+        ],
+        drop_path_rate=0.1,
+        out_indices=(0, 1, 2, 3),
+        # Partial initialisation from the FLatten-PVTv2-b1 ImageNet weights (converted
+        # with tools/convert_checkpoint.py ... --family flatten_pvt_v2 --arch b1): patch
+        # embeddings, MLPs, norms and the stage 1-2 attention load; in stages 3-4 only
+        # the output projection `proj` has a counterpart, SimA's `qkv` starts from scratch.
+        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b1_in1k.pth')),
+    neck=dict(in_channels=[64, 128, 320, 512]),
+    decode_head=dict(num_classes=150))
+
+optim_wrapper = dict(
+    _delete_=True,
+    type='OptimWrapper',
+    optimizer=dict(type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4),
+    clip_grad=None,
+    paramwise_cfg=dict(custom_keys={
+        'norm': dict(decay_mult=0.),
+        'positional_encoding': dict(decay_mult=0.),
+        'attn.scale': dict(decay_mult=0.),
+    }))
+param_scheduler = [
+    dict(type='PolyLR', eta_min=0.0, power=0.9, begin=0, end=80000, by_epoch=False)
+]

@@ -1,0 +1,158 @@
+"""Loading ``init_cfg=dict(type='Pretrained', ...)`` into a flatten_mm backbone, checked.
+
+mmengine's ``PretrainedInit`` loads with ``strict=False`` and only *logs* missing /
+unexpected keys and shape mismatches, so a checkpoint of the wrong family or variant (or
+an official checkpoint that was never converted) leaves the backbone randomly
+initialised after a warning buried in the log. ``load_pretrained`` reads the file the
+same way (mmengine's ``CheckpointLoader``: local paths, URLs, ``prefix``), then refuses:
+
+* an unreadable (truncated / corrupt) file -> ``CheckpointError`` naming the file;
+* by default, any missing or unexpected key or shape mismatch (parameters that only the
+  dense backbone has, ``dense_only_prefixes``, are exempt) -> ``ValueError`` that lists
+  them and names what the file looks like: an official family from
+  ``flatten_mm.converters`` (convert it first), or the flatten_mm backbone whose key
+  layout it has.
+
+A partial load is an explicit choice: ``init_cfg=dict(type='Pretrained', checkpoint=...,
+strict=False)`` loads the matching part (e.g. a hybrid whose replaced attention stages
+have other keys) and logs the rest as mmengine does; a file sharing no parameter at all
+is still refused.
+"""
+import re
+from collections import OrderedDict
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .checkpoint_io import CheckpointError
+
+def _normalise(key: str) -> str:
+    return re.sub(r'\d+', '#', key)
+
+
+_LAYOUTS: Dict[str, set] = {}
+
+
+def _backbone_layouts() -> Dict[str, set]:
+    """Key patterns (digits replaced by ``#``) of every registered backbone's default arch."""
+    if not _LAYOUTS:
+        import flatten_mm.models  # noqa: F401
+        from flatten_mm.registry import MODELS
+        for name, cls in MODELS.module_dict.items():
+            try:
+                keys = cls().state_dict().keys()
+            except Exception:  # a class without a buildable default: skip it
+                continue
+            _LAYOUTS[name] = {_normalise(k) for k in keys}
+    return _LAYOUTS
+
+
+def describe_state_dict(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """What a state dict looks like: the flatten_mm backbone whose key layout it has, or
+    an official family (convert it first)."""
+    from flatten_mm.converters import guess_family, unwrap_checkpoint
+    patterns = {_normalise(k) for k in state_dict}
+    if not patterns:
+        return 'an empty state dict'
+    scores: List[Tuple[float, str]] = sorted(
+        ((len(patterns & layout) / len(patterns | layout), name)
+         for name, layout in _backbone_layouts().items()), reverse=True)
+    if scores and scores[0][0] >= 0.9:  # (nearly) the layout of one of our backbones
+        return f'a flatten_mm {scores[0][1]} checkpoint (key layout match {scores[0][0]:.0%})'
+    try:
+        official = guess_family(unwrap_checkpoint(state_dict))
+    except (ValueError, KeyError):
+        official = []
+    if official:
+        return (f'an official {"/".join(official)} checkpoint that was not converted; convert '
+                f'it first: python tools/convert_checkpoint.py SRC DST --family {official[0]} '
+                '--arch ARCH')
+    if not scores or scores[0][0] < 0.3:
+        return 'no known family (neither an official checkpoint nor a flatten_mm backbone)'
+    return f'a flatten_mm {scores[0][1]} checkpoint (key layout match {scores[0][0]:.0%})'
+
+
+def check_pretrained(module: nn.Module, state_dict: Mapping[str, torch.Tensor],
+                     source: str = 'checkpoint', strict: bool = True) -> None:
+    """Raise ``ValueError`` if ``state_dict`` does not fit ``module`` (see module doc)."""
+    from flatten_mm.converters import key_mismatch_report
+    expected = module.state_dict()
+    dense_only = tuple(getattr(module, 'dense_only_prefixes', ()))
+    core = {k: v for k, v in expected.items() if not k.startswith(dense_only)}
+    provided = {k: v for k, v in state_dict.items() if not k.startswith(dense_only)}
+    missing = [k for k in core if k not in provided]
+    unexpected = [k for k in provided if k not in core]
+    bad_shapes = [k for k in core
+                  if k in provided and tuple(provided[k].shape) != tuple(core[k].shape)]
+    matched = len(core) - len(missing) - len(bad_shapes)
+    if not (missing or unexpected or bad_shapes) or (not strict and matched > 0):
+        return
+    name = type(module).__name__
+    arch = getattr(module, 'arch_settings', None)
+    if bad_shapes and not (missing or unexpected):
+        reason = f'{len(bad_shapes)} parameters have other shapes (another variant?)'
+    else:
+        reason = (f'{len(missing)} of its {len(core)} parameters are missing and '
+                  f'{len(unexpected)} checkpoint keys are unexpected')
+    hint = ('' if not strict else
+            " (to load only the matching part on purpose, e.g. into a hybrid, add strict=False "
+            "to init_cfg)")
+    report = key_mismatch_report(provided, core) or ''
+    raise ValueError(
+        f'{source} does not fit {name} (arch {arch}): {reason}. The checkpoint looks like '
+        f'{describe_state_dict(state_dict)}{hint}.\n{report}')
+
+
+def read_pretrained(init_cfg: Mapping) -> Dict[str, torch.Tensor]:
+    """The state dict an ``init_cfg=dict(type='Pretrained', checkpoint, prefix=None,
+    map_location='cpu')`` points at (``state_dict`` / ``model`` unwrapped, ``module.`` stripped,
+    ``prefix`` selected and stripped).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        CheckpointError: the file cannot be read (truncated, corrupt, refused pickle).
+    """
+    from mmengine.runner.checkpoint import CheckpointLoader
+    path = init_cfg['checkpoint']
+    prefix: Optional[str] = init_cfg.get('prefix', None)
+    try:
+        ckpt = CheckpointLoader.load_checkpoint(path, init_cfg.get('map_location', 'cpu'))
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 (unreadable / refused file: name it)
+        raise CheckpointError(
+            f'cannot read the pretrained checkpoint {path} (truncated or corrupt file, or '
+            f'pickled objects outside the allow-list): {type(err).__name__}: '
+            f'{str(err).splitlines()[0] if str(err) else ""}') from None
+    if not isinstance(ckpt, Mapping):
+        raise CheckpointError(f'{path} holds a {type(ckpt).__name__}, not a state dict')
+    state_dict = ckpt
+    for wrapper in ('state_dict', 'model'):  # mmengine runners / official training scripts
+        if isinstance(ckpt.get(wrapper), Mapping):
+            state_dict = ckpt[wrapper]
+            break
+    state_dict = OrderedDict((k[7:] if k.startswith('module.') else k, v)
+                             for k, v in state_dict.items() if isinstance(v, torch.Tensor))
+    if prefix:
+        prefix = prefix if prefix.endswith('.') else prefix + '.'
+        selected = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items()
+                               if k.startswith(prefix))
+        if not selected:
+            raise ValueError(f'no key of {path} starts with prefix {prefix!r} (init_cfg); '
+                             f'first keys: {list(state_dict)[:5]}')
+        state_dict = selected
+    return state_dict
+
+
+def load_pretrained(module: nn.Module, init_cfg: Mapping) -> None:
+    """Load ``init_cfg=dict(type='Pretrained', checkpoint, prefix=None, map_location='cpu',
+    strict=True)`` into ``module`` after ``check_pretrained``; with ``strict=False`` the
+    tolerated missing / unexpected keys are logged as mmengine does."""
+    from mmengine.logging import print_log
+    from mmengine.runner.checkpoint import load_state_dict
+    state_dict = read_pretrained(init_cfg)
+    check_pretrained(module, state_dict, source=f'pretrained checkpoint {init_cfg["checkpoint"]}',
+                     strict=init_cfg.get('strict', True))
+    print_log(f'load {type(module).__name__} from: {init_cfg["checkpoint"]}', logger='current')
+    load_state_dict(module, state_dict, strict=False, logger='current')
