@@ -19,6 +19,7 @@ SEG = 'configs/quickstart/fpn_flatten-pvt-v2-b0_quickstart_ade20k-mini.py'
 DET_SHORT = ['train_cfg.max_iters=20', 'train_cfg.val_interval=1000',
              'default_hooks.checkpoint.interval=10', 'default_hooks.logger.interval=2',
              'log_processor.window_size=2']
+SEG_SHORT = DET_SHORT
 
 
 def run(args, timeout=900):
@@ -91,10 +92,10 @@ def test_detection_resume(det_run, tmp_path):
 def test_segmentation_train_and_test(tmp_path):
     pytest.importorskip('mmseg')
     work = str(tmp_path / 'train')
-    run(['tools/train.py', SEG, '--work-dir', work])
+    run(['tools/train.py', SEG, '--work-dir', work, '--cfg-options'] + SEG_SHORT)
     check_loss_decreases(scalars(work))
     show = tmp_path / 'show'
-    run(['tools/test.py', SEG, osp.join(work, 'iter_40.pth'), '--work-dir', str(tmp_path / 'test'),
+    run(['tools/test.py', SEG, osp.join(work, 'iter_20.pth'), '--work-dir', str(tmp_path / 'test'),
          '--show-dir', str(show)])
     metrics = read_test_metrics(str(tmp_path / 'test'))
     for key in ('mIoU', 'aAcc', 'mAcc'):

@@ -34,6 +34,11 @@ element-wise                    1 per element and operation (+eps, division by t
 top-K selection                 1 comparison per candidate
 ==============================  ========================================================
 
+Products (linear / conv / matmul terms) are exactly what the implementations execute
+(tests compare them with ``torch.utils.flop_counter``); element-wise and normalisation
+terms follow each operator's reference formulation (``shared/spec/attention.md``), of
+which a fused implementation may execute slightly fewer.
+
 Not counted (as in fvcore/mmcv): activations, dropout, residual additions, reshapes,
 gathers / index arithmetic (QuadTree's gathered products are counted as products),
 operations on parameters alone (softplus of the FLA scale, resizing a positional table,
@@ -41,6 +46,7 @@ relative-position-bias lookup), functional ops outside attention operators
 (``F.interpolate`` in FPN / UperNet, ~0.1 % of a model), mmcv ops (RoIAlign, NMS).
 """
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -393,6 +399,9 @@ class FlopReport:
     by_module: Dict[str, Flops] = field(default_factory=dict)
     attention: List[str] = field(default_factory=list)
     hidden_measured: Optional[int] = None
+    #: classes that look like attention (name contains 'attention' / 'msa') but have no
+    #: formula, e.g. mmdet's own ``WindowMSA``: their matmuls are not counted
+    uncounted: List[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -469,6 +478,10 @@ class FlopCounter:
                     module.forward = _zeros_like_first
                     self._stubbed.append(module)
                 continue
+            cls_name = type(module).__name__
+            if (not inside and cls_name not in self.report.uncounted
+                    and re.search('attention|msa', cls_name, flags=re.I)):
+                self.report.uncounted.append(cls_name)
             fn = layer_hook_for(module)
             if fn is not None:
                 self._handles.append(module.register_forward_hook(self._layer_hook(name, fn,
@@ -559,4 +572,7 @@ def format_report(report: FlopReport, params: Counter, title: str = '',
     cats = report.categories()
     lines.append('        by category: ' + ', '.join(
         f'{k} {v / 1e9:.2f}G' for k, v in cats.most_common()))
+    if report.uncounted:
+        lines.append('warning: no formula for ' + ', '.join(report.uncounted) + ': only their '
+                     'Linear / Conv layers are counted, not their attention maths')
     return '\n'.join(lines)

@@ -5,7 +5,8 @@ data-dependent post-processing whose cost would vary with the (random) weights:
 
 * mmseg ``EncoderDecoder``: backbone, neck, decode head (``model._forward``; auxiliary
   heads are training-only);
-* mmdet single-stage detectors: backbone, neck, head (``model._forward``);
+* mmdet single-stage and DETR-like detectors: backbone, neck, head / transformer
+  (``model._forward``);
 * mmdet two-stage / cascade detectors: backbone, neck, RPN head, then every bbox stage
   of the RoI head on a fixed number of random proposals (1000 by default) and every
   mask stage on the first 100 -- mmdet 2.x's ``forward_dummy``, the convention of the
@@ -89,6 +90,14 @@ def dense_forward(model: nn.Module, inputs: torch.Tensor, num_proposals: int = 1
         proposals = [_random_proposals(num_proposals, hw, inputs.device, gen)
                      for _ in range(inputs.shape[0])]
         return roi_head_dummy_forward(model.roi_head, feats, bbox2roi(proposals))
+    if type(model).__module__.startswith('mmdet.'):
+        # single-stage and DETR-like detectors: DETRs read the batch shape from the samples
+        from mmdet.structures import DetDataSample
+        hw = tuple(inputs.shape[-2:])
+        samples = [DetDataSample(metainfo=dict(img_shape=hw, pad_shape=hw,
+                                               batch_input_shape=hw))
+                   for _ in range(inputs.shape[0])]
+        return model._forward(inputs, samples)
     if hasattr(model, '_forward'):
         return model._forward(inputs)
     return model(inputs)

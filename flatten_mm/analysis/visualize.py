@@ -19,7 +19,6 @@
 ``visualize_attention`` runs a backbone on an image, captures the input of the chosen
 attention layer and writes PNG overlays of the original image's size.
 """
-import math
 import os
 import os.path as osp
 import re
@@ -317,7 +316,7 @@ def load_image(path: str, size: int = 448) -> Tuple[np.ndarray, torch.Tensor]:
     input ``(1, 3, h, w)``: short side resized to ``size``, both sides rounded to a
     multiple of 32."""
     from PIL import Image
-    img = np.asarray(Image.open(path).convert('RGB'))
+    img = np.array(Image.open(path).convert('RGB'))
     return img, image_to_input(img, size)
 
 
@@ -436,17 +435,16 @@ def _query_token(query_xy: Tuple[float, float], img_hw: Tuple[int, int],
 
 def build_backbone(backbone: Union[str, nn.Module], checkpoint: Optional[str] = None
                    ) -> nn.Module:
-    """A catalogue backbone by name (or a module as is), optionally with a converted
-    checkpoint (``backbone.`` / ``module.`` prefixes are stripped)."""
+    """A catalogue backbone by name (or a module as is), optionally with a checkpoint
+    converted by ``tools/convert_checkpoint.py`` (checked like ``init_cfg``: a file of
+    another family / variant raises ``ValueError``)."""
     if isinstance(backbone, str):
         from .catalogue import get_backbone_spec
         backbone = get_backbone_spec(backbone).build()
         backbone.init_weights()
     if checkpoint:
-        from mmengine.runner import load_checkpoint
-        import flatten_mm.models  # noqa: F401  (safe checkpoint loader)
-        load_checkpoint(backbone, checkpoint, map_location='cpu', strict=False,
-                        revise_keys=[(r'^module\.', ''), (r'^backbone\.', '')])
+        from ..utils.pretrained import load_pretrained
+        load_pretrained(backbone, dict(type='Pretrained', checkpoint=checkpoint))
     return backbone.eval()
 
 
@@ -466,8 +464,9 @@ def visualize_attention(image: Union[str, np.ndarray], backbone: Union[str, nn.M
         block: 0-based block in the stage (negative counts from the end).
         query_xy: query pixel ``(x, y)`` of the original image (default: centre).
         size: short side of the model input.
-        rank_size: input size of the rank plot (FLA); default ``14 * stride``, i.e. a
-            14x14 token grid (196 tokens, the size of the paper's figure).
+        rank_size: side of the square input of the rank plot (FLA); default
+            ``14 * stride``, i.e. a 14x14 token grid (196 tokens, the size of the
+            paper's figure).
 
     Returns:
         Paths of the written PNGs (all of the original image's size, except the rank
@@ -475,7 +474,7 @@ def visualize_attention(image: Union[str, np.ndarray], backbone: Union[str, nn.M
     """
     if isinstance(image, str):
         from PIL import Image
-        image = np.asarray(Image.open(image).convert('RGB'))
+        image = np.array(Image.open(image).convert('RGB'))
     model = build_backbone(backbone, checkpoint)
     layers = [la for la in find_attention_layers(model) if la.stage == stage - 1]
     if not layers:
@@ -499,7 +498,8 @@ def visualize_attention(image: Union[str, np.ndarray], backbone: Union[str, nn.M
                                 osp.join(out_dir, f'fla_map_{tag}.png')))
         stride = round(input_hw[0] / hw[0])
         rank_size = rank_size or 14 * stride
-        small = image_to_input(image, rank_size)
+        small = F.interpolate(inputs, size=(rank_size, rank_size), mode='bilinear',
+                              align_corners=False)  # square: a 14x14 grid by default
         xs, hws = capture_inputs(model, small, [layer.module])[id(layer.module)]
         A, AD = fla_rank_matrices(layer.module, xs, hws)
         written.append(rank_plot(A, AD, osp.join(out_dir, f'fla_rank_{tag}.png'),

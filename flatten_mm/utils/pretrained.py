@@ -121,10 +121,12 @@ def read_pretrained(init_cfg: Mapping) -> Dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise
     except Exception as err:  # noqa: BLE001 (unreadable / refused file: name it)
+        first = str(err).splitlines()[0] if str(err) else ''
+        if str(path) in first:  # flatten_mm's loader already names the file and the cause
+            raise CheckpointError(f'init_cfg Pretrained: {first}') from None
         raise CheckpointError(
             f'cannot read the pretrained checkpoint {path} (truncated or corrupt file, or '
-            f'pickled objects outside the allow-list): {type(err).__name__}: '
-            f'{str(err).splitlines()[0] if str(err) else ""}') from None
+            f'pickled objects outside the allow-list): {type(err).__name__}: {first}') from None
     if not isinstance(ckpt, Mapping):
         raise CheckpointError(f'{path} holds a {type(ckpt).__name__}, not a state dict')
     state_dict = ckpt

@@ -110,13 +110,13 @@ def test_autocast_is_finite_and_accurate_at_many_tokens(dtype):
 
 def test_core_runs_in_float32_under_autocast(monkeypatch):
     dtypes = []
-    real_normalize = sima_mod.F.normalize
+    real_column_l1 = sima_mod._column_l1  # the L1 normalisation of q and k
 
     def spy(x, *args, **kwargs):
         dtypes.append(x.dtype)
-        return real_normalize(x, *args, **kwargs)
+        return real_column_l1(x, *args, **kwargs)
 
-    monkeypatch.setattr(sima_mod.F, 'normalize', spy)
+    monkeypatch.setattr(sima_mod, '_column_l1', spy)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         SimAAttention(32, 2)(torch.randn(1, 64, 32), (8, 8))
     assert dtypes == [torch.float32, torch.float32]

@@ -37,13 +37,26 @@ def record(case: str, backbone: str, trigger: str, outcome: str, title: str = ''
         entries.append((backbone, trigger, outcome))
 
 
+def _cell(text: str) -> str:
+    return '`` ' + text.replace('|', '\\|') + ' ``'
+
+
 def render() -> str:
+    """Markdown: a table per case when every outcome is one line, else code blocks."""
     lines = [BEGIN, '']
     for case, entries in RECORDS.items():
         lines.append(f'### {_TITLES.get(case, case)}')
         lines.append('')
-        for backbone, trigger, outcome in sorted(entries):
-            lines.append(f'- `{backbone}`: `{trigger}`')
+        entries = sorted(entries)
+        if all('\n' not in outcome for _, _, outcome in entries):
+            lines.append('| backbone / path | input | outcome |')
+            lines.append('| --- | --- | --- |')
+            for backbone, trigger, outcome in entries:
+                lines.append(f'| `{backbone}` | {trigger} | {_cell(outcome)} |')
+            lines.append('')
+            continue
+        for backbone, trigger, outcome in entries:
+            lines.append(f'- `{backbone}`: {trigger}')
             lines.append('')
             lines.append('  ```text')
             lines.extend('  ' + line for line in outcome.splitlines())

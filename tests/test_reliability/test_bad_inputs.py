@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from backbone_specs import build, num_stages, registered_backbones, spec
+from backbone_specs import TINY_ARCHS, build, build_variant, num_stages, registered_backbones, spec
 from reliability_report import describe, record
 
 NAMES = registered_backbones()
@@ -26,7 +26,7 @@ def run(model, x):
 
 
 def test_every_registered_backbone_has_a_tiny_arch():
-    missing = [n for n in NAMES if n not in __import__('backbone_specs').TINY_ARCHS]
+    missing = [n for n in NAMES if n not in TINY_ARCHS]
     assert not missing, f'add TINY_ARCHS entries in backbone_specs.py for {missing}'
 
 
@@ -175,7 +175,6 @@ def test_frozen_stages_out_of_range(name, which):
 @pytest.mark.parametrize('name', NAMES)
 def test_spec_variant_has_the_same_layout(name):
     """Guard of the checkpoint tests: the declared variant differs only in shapes."""
-    from backbone_specs import build_variant
     a, b = build(name).state_dict(), build_variant(name).state_dict()
     assert a.keys() == b.keys()
     assert any(a[k].shape != b[k].shape for k in a)

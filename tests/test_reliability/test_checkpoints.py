@@ -187,8 +187,8 @@ def make_bad_file(kind: str, tmp_path) -> str:
         if kind == 'truncated':
             f.write(data[:len(data) // 2])
         elif kind == 'corrupt':
-            f.write(bytes(torch.randint(0, 256, (4096, ), generator=torch.Generator().manual_seed(0),
-                                        dtype=torch.uint8).tolist()))
+            gen = torch.Generator().manual_seed(0)
+            f.write(bytes(torch.randint(0, 256, (4096, ), generator=gen, dtype=torch.uint8).tolist()))
         elif kind == 'empty':
             pass
     return path

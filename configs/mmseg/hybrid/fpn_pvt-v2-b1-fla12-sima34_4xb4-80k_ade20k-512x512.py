@@ -32,8 +32,10 @@ model = dict(
         # Partial initialisation from the FLatten-PVTv2-b1 ImageNet weights (converted
         # with tools/convert_checkpoint.py ... --family flatten_pvt_v2 --arch b1): patch
         # embeddings, MLPs, norms and the stage 1-2 attention load; in stages 3-4 only
-        # the output projection `proj` has a counterpart, SimA's `qkv` starts from scratch.
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b1_in1k.pth')),
+        # the output projection `proj` has a counterpart, SimA's `qkv` starts from scratch:
+        # strict=False (flatten_mm refuses partial matches otherwise; missing keys logged).
+        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b1_in1k.pth',
+                      strict=False)),
     neck=dict(in_channels=[64, 128, 320, 512]),
     decode_head=dict(num_classes=150))
 

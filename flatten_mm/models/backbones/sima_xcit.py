@@ -98,9 +98,14 @@ class XCiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape`` grid. Returns ``(B, N, C)``."""
-        x = x + self.drop_path(self.gamma1 * self.attn(self.norm1(x), hw_shape))
-        x = x + self.drop_path(self.gamma3 * self.local_mp(self.norm3(x), hw_shape))
-        return x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), hw_shape))
+        if self.training and not isinstance(self.drop_path, nn.Identity):
+            x = x + self.drop_path(self.gamma1 * self.attn(self.norm1(x), hw_shape))
+            x = x + self.drop_path(self.gamma3 * self.local_mp(self.norm3(x), hw_shape))
+            return x + self.drop_path(self.gamma2 * self.mlp(self.norm2(x), hw_shape))
+        # no stochastic depth: LayerScale and residual in one pass (x + gamma * y)
+        x = torch.addcmul(x, self.gamma1, self.attn(self.norm1(x), hw_shape))
+        x = torch.addcmul(x, self.gamma3, self.local_mp(self.norm3(x), hw_shape))
+        return torch.addcmul(x, self.gamma2, self.mlp(self.norm2(x), hw_shape))
 
 
 def default_out_indices(depth: int) -> Tuple[int, ...]:

@@ -171,12 +171,16 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qh = yq.view(B, N, h, d).transpose(1, 2)  # (B, h, N, d)
         den = qh @ k_mean  # (B, h, N, 1)
         eps = (1e-6 / rq).view(B, 1, N, 1)
-        if inplace:
-            out = (qh @ kv).div_(den.add_(eps))
-        else:
-            out = (qh @ kv) / (den + eps)
-        del yq, qh
-        out = merge_heads(out)
+        if not inplace:
+            out = merge_heads((qh @ kv) / (den + eps))
+        elif h == 1:
+            out = (qh @ kv).div_(den.add_(eps)).view(B, N, C)
+        else:  # the division writes the head-merged layout directly (no extra copy)
+            num = qh @ kv
+            del yq, qh
+            out = torch.empty(B, N, h, d, dtype=num.dtype, device=num.device)
+            torch.div(num.transpose(1, 2), den.add_(eps).transpose(1, 2), out=out)
+            out = out.view(B, N, C)
     return out.to(out_dtype)
 
 

@@ -139,7 +139,29 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
         ``(B, h, L, F, K)``.
     """
     chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
+    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+        return _gathered_scores_inference(query, key, index, chunk)
     return _GatheredMatmul.apply(query, key, index, True, chunk)
+
+
+def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
+                               chunk: int) -> torch.Tensor:
+    """``gathered_scores`` without autograd (no ``autograd.Function``; with a single chunk,
+    no preallocated result either): gather the key rows of ``chunk`` parents, multiply."""
+    B, h, L, nf, d = query.shape
+    M, K = key.shape[2], index.shape[-1]
+    table = key.reshape(B * h * M, d).contiguous()
+
+    def scores(s: int, e: int) -> torch.Tensor:
+        g = table.index_select(0, _flat_rows(index[:, :, s:e], M)).view(B, h, e - s, K, d)
+        return query[:, :, s:e] @ g.transpose(-1, -2)
+
+    if chunk >= L:
+        return scores(0, L)
+    out = query.new_empty(B, h, L, nf, K)
+    for s in range(0, L, chunk):
+        out[:, :, s:s + chunk] = scores(s, min(L, s + chunk))
+    return out
 
 
 def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
@@ -217,9 +239,9 @@ def _child_candidates(index: torch.Tensor, parent_width: int) -> torch.Tensor:
     """Flat parent-level key indices ``(..., Kp)`` -> their 4 children at the next level,
     ``(..., 4 Kp)`` ordered parent-major, child ``(a, b)`` with the row offset outer."""
     width = 2 * parent_width
+    # index = y * pw + x  ->  top-left child 2y * 2pw + 2x = 2 * (index + y * pw)
     y = torch.div(index, parent_width, rounding_mode='floor')
-    x = index - y * parent_width
-    base = 2 * y * width + 2 * x
+    base = (index + y * parent_width) * 2
     offsets = torch.tensor([0, 1, width, width + 1], device=index.device, dtype=index.dtype)
     return (base.unsqueeze(-1) + offsets).flatten(-2)
 
@@ -305,16 +327,16 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         if (hi, wi) != (2 * grid[0], 2 * grid[1]):
             raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
                              f'({grid[0]}x{grid[1]})')
-        q = _group_children(queries[i].float(), h)  # (B, h, L, 4, d)
+        q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
         k = _to_heads(keys[i].float(), h)  # (B, h, hi*wi, d)
         v = _to_heads(values[i].float(), h)
         cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
         scores = gathered_scores(q, k, cand, chunk_elements)  # (B, h, L, 4, 4Kp)
         if attn_type == 'B':
-            attn = torch.softmax(temp * scores, dim=-1)
+            attn = torch.softmax(scores, dim=-1)
         else:
             Kp = prev_idx.shape[-1]
-            attn = torch.softmax(temp * scores.unflatten(-1, (Kp, 4)), dim=-1)
+            attn = torch.softmax(scores.unflatten(-1, (Kp, 4)), dim=-1)
             attn = (attn * prev_score[:, :, :, None, :, None]).flatten(-2)
         weights = attn
         if not final:

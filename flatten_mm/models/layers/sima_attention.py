@@ -44,9 +44,43 @@ def sima_order(num_tokens: int, head_dims: int) -> str:
     return 'qk_first' if num_tokens < head_dims else 'kv_first'
 
 
+def sima_core_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        order: str = 'auto') -> torch.Tensor:
+    """``sima_core`` computed literally: normalise ``Q`` and ``K`` (``F.normalize``), then
+    multiply in the given order. Kept as the reference of the fast path (tests)."""
+    if order == 'auto':
+        order = sima_order(q.shape[-2], q.shape[-1])
+    dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q = F.normalize(q.to(dtype), p=1.0, dim=-2, eps=1e-12)
+        k = F.normalize(k.to(dtype), p=1.0, dim=-2, eps=1e-12)
+        v = v.to(dtype)
+        if order == 'qk_first':
+            return (q @ k.transpose(-2, -1)) @ v
+        if order == 'kv_first':
+            return q @ (k.transpose(-2, -1) @ v)
+    raise ValueError(f'order must be one of {SIMA_ORDERS}, got {order!r}')
+
+
+def _column_l1(x: torch.Tensor) -> torch.Tensor:
+    """``max(sum_n |x[b, h, n, c]|, 1e-12)`` as ``(B, h, d)``.
+
+    Reduced in the token layout ``(B, N, h, d)`` (contiguous channels innermost): for
+    the strided head views of a ``qkv`` projection this is ~10x faster on CPU than a
+    norm over ``dim=-2``."""
+    return x.transpose(1, 2).abs().sum(dim=1).clamp_min_(1e-12)
+
+
 def sima_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               order: str = 'auto') -> torch.Tensor:
     """SimA attention on split heads, in float32.
+
+    The L1 normalisations are diagonal scalings of the channels, so they are folded
+    into the small operand instead of normalising ``Q`` and ``K``:
+    ``n1(Q) n1(K)^T V = Q diag(s) K^T V`` with ``s = 1 / (|Q|_1 |K|_1)`` per channel
+    (column L1 norms over the tokens, each clamped at 1e-12 as ``F.normalize`` does);
+    ``kv_first`` scales the rows of ``K^T V`` (``d x d``), ``qk_first`` the columns of
+    ``Q``. Same result as ``sima_core_reference`` up to rounding.
 
     Args:
         q: ``(B, h, N, d)`` queries.
@@ -61,17 +95,16 @@ def sima_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if order == 'auto':
         order = sima_order(q.shape[-2], q.shape[-1])
+    if order not in ('qk_first', 'kv_first'):
+        raise ValueError(f'order must be one of {SIMA_ORDERS}, got {order!r}')
     # at least float32 (float64 stays float64)
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        q = F.normalize(q.to(dtype), p=1.0, dim=-2, eps=1e-12)
-        k = F.normalize(k.to(dtype), p=1.0, dim=-2, eps=1e-12)
-        v = v.to(dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        scale = 1.0 / (_column_l1(q) * _column_l1(k))  # (B, h, d)
         if order == 'qk_first':
-            return (q @ k.transpose(-2, -1)) @ v
-        if order == 'kv_first':
-            return q @ (k.transpose(-2, -1) @ v)
-    raise ValueError(f'order must be one of {SIMA_ORDERS}, got {order!r}')
+            return ((q * scale.unsqueeze(-2)) @ k.transpose(-2, -1)) @ v
+        return q @ ((k.transpose(-2, -1) @ v) * scale.unsqueeze(-1))
 
 
 class SimAAttention(nn.Module):

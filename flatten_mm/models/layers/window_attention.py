@@ -10,12 +10,13 @@ the actual size, crop). Independent re-implementation of ``shared/spec/attention
 §1.3.3 and ``backbones.md`` §1.3 / §5.3.
 """
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .pos_embed import _is_compiling
 from .window import (crop_padding, effective_shift, pad_to_multiple, shifted_window_mask,
                      window_partition, window_reverse)
 
@@ -76,6 +77,8 @@ class ShiftedWindowAttention(nn.Module):
         self.qkv = nn.Linear(embed_dims, 3 * embed_dims, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
+        # inference cache of bias (+ mask) per mask and dtype, see attention_bias
+        self._bias_cache: dict = {}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a bias table of another window size (e.g. 7 -> 12 for a 384 model) is resized
@@ -112,16 +115,48 @@ class ShiftedWindowAttention(nn.Module):
         Bw, n, C = windows.shape
         h = self.num_heads
         q, k, v = self.qkv(windows).reshape(Bw, n, 3, h, C // h).permute(2, 0, 3, 1, 4)
-        bias = self.relative_position_bias()  # (h, n, n)
-        if mask is not None:
-            nW = mask.shape[0]
-            bias = bias.unsqueeze(0) + mask.unsqueeze(1)  # (nW, h, n, n)
+        bias = self.attention_bias(mask, q.dtype)  # (h, n, n) or (nW, h, n, n)
+        if bias.dim() == 4:
+            nW = bias.shape[0]
             q, k, v = (t.reshape(Bw // nW, nW, h, n, C // h) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias.to(q.dtype),
-            dropout_p=self.attn_drop if self.training else 0.)
+        if self.training and self.attn_drop > 0:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                                 dropout_p=self.attn_drop)
+        else:
+            # explicit softmax(q k^T * scale + bias) v: with an additive float mask,
+            # SDPA's CPU path runs the same matmuls plus fully-masked-row checks
+            attn = (q * (C // h)**-0.5) @ k.transpose(-2, -1)
+            attn = torch.softmax(attn + bias, dim=-1)
+            out = attn @ v
         out = out.reshape(Bw, h, n, C // h).transpose(1, 2).reshape(Bw, n, C)
         return self.proj_drop(self.proj(out))
+
+    def attention_bias(self, mask: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Relative position bias ``(h, n, n)``, plus the shifted-window ``mask``
+        ``(nW, n, n)`` as ``(nW, h, n, n)``, in ``dtype``.
+
+        Without autograd (inference) the result is cached per mask and dtype and reused
+        while the bias table is unchanged (same storage and version counter)."""
+        table = self.relative_position_bias_table
+        if (table.requires_grad and torch.is_grad_enabled()) or _is_compiling():
+            return self._attention_bias(mask, dtype)
+        key = (None if mask is None else tuple(mask.shape), dtype, table.device)
+        stamp = (table.data_ptr(), table._version)
+        hit = self._bias_cache.get(key)
+        # the entry holds its mask: the same (cached) mask object means the same content
+        if hit is not None and hit[0] == stamp and hit[1] is mask:
+            return hit[2]
+        if len(self._bias_cache) >= 8:
+            self._bias_cache.clear()
+        bias = self._attention_bias(mask, dtype)
+        self._bias_cache[key] = (stamp, mask, bias)
+        return bias
+
+    def _attention_bias(self, mask: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        bias = self.relative_position_bias()
+        if mask is not None:
+            bias = bias.unsqueeze(0) + mask.unsqueeze(1)
+        return bias.to(dtype)
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""

@@ -1,0 +1,196 @@
+"""Speed / memory benchmark of the attention operators and backbones (a tool, not a test).
+
+    python tools/analysis/benchmark.py --ops --backbones --csv out.csv --png out.png
+    python tools/analysis/benchmark.py --quick                    # seconds; used in CI
+    python tools/analysis/benchmark.py --ops --device cuda --dtype bf16
+
+Op level: FLA (fused / unfused), plain ReLU linear attention, SimA (auto and both
+orders), QuadTree A/B and softmax (``F.scaled_dot_product_attention``) on ``q, k, v``
+after the projections, over ``--sides`` (``N = s * s`` tokens) and ``--head-dims``.
+Backbone level: each flatten_mm backbone against its softmax counterpart (timm, and
+mmdet when installed) at ``--resolutions``. All cases of a group alternate in one
+process after warm-up; the tables give medians, minima, images/s and peak memory, the
+ratio table ours / baseline. ``--sima-grid`` checks SimA's automatic order against both
+fixed orders; ``--compile`` reports ``torch.compile`` graph breaks of every backbone
+(and compiles them with ``--compile-backend``). See ``flatten_mm/analysis/benchmark.py``.
+"""
+import argparse
+import datetime
+import json
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from flatten_mm.analysis import benchmark as bm  # noqa: E402
+
+DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+def _ints(text: str):
+    return tuple(int(t) for t in text.split(',') if t)
+
+
+def _resolutions(text: str):
+    out = []
+    for item in text.split(','):
+        h, _, w = item.partition('x')
+        out.append((int(h), int(w or h)))
+    return tuple(out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--ops', action='store_true', help='run the op-level suite')
+    p.add_argument('--backbones', action='store_true', help='run the backbone suite')
+    p.add_argument('--sima-grid', action='store_true',
+                   help='SimA automatic order vs both fixed orders on an (N, d) grid')
+    p.add_argument('--compile', action='store_true',
+                   help='torch.compile graph-break report of every backbone (small input)')
+    p.add_argument('--compile-backend', default=None,
+                   help='also compile and run with this backend (e.g. inductor, aot_eager)')
+    p.add_argument('--quick', action='store_true',
+                   help='tiny sizes and models, 2 rounds (smoke test; numbers meaningless)')
+    p.add_argument('--device', default='cpu', help='cpu or cuda')
+    p.add_argument('--dtype', default='fp32', choices=sorted(DTYPES))
+    p.add_argument('--threads', type=int, default=None,
+                   help='torch CPU threads (default: leave as is)')
+    p.add_argument('--op-names', default=','.join(bm.OPS), help='comma-separated ops')
+    p.add_argument('--sides', default='32,64,128,256', help='map sides s, N = s*s')
+    p.add_argument('--head-dims', default='32,64')
+    p.add_argument('--heads', type=int, default=1)
+    p.add_argument('--max-quadratic-tokens', type=int, default=128 * 128,
+                   help='skip softmax / SimA qk_first above this N')
+    p.add_argument('--quadtree-topk', type=int, default=32)
+    p.add_argument('--resolutions', default='224,512,1024,800x1280',
+                   help='backbone inputs, HxW (or S for SxS), comma-separated')
+    p.add_argument('--families', default=None,
+                   help='comma-separated backbones of ours to run (default: all)')
+    p.add_argument('--batch', type=int, default=1)
+    p.add_argument('--warmup', type=int, default=None)
+    p.add_argument('--repeats', type=int, default=None)
+    p.add_argument('--no-memory', action='store_true', help='skip the peak-memory pass')
+    p.add_argument('--csv', default=None, help='write all rows to this CSV')
+    p.add_argument('--png', default=None, help='write the op scaling plot to this PNG')
+    p.add_argument('--json', default=None, help='write rows + environment as JSON')
+    args = p.parse_args(argv)
+    if not (args.ops or args.backbones or args.sima_grid or args.compile):
+        args.ops = args.backbones = True
+    return args
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    env = bm.environment()
+    env['date'] = datetime.date.today().isoformat()
+    print(f'# flatten_mm benchmark {env["date"]}: {env.get("gpu", env["cpu"])}, '
+          f'torch {env["torch"]}, {torch.get_num_threads()} threads, device {args.device}, '
+          f'{args.dtype}')
+    rows, ratios = [], []
+    quick = args.quick
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+
+    if args.ops:
+        sides = (8, 16) if quick else _ints(args.sides)
+        dims = (16, ) if quick else _ints(args.head_dims)
+        op_rows = bm.run_op_benchmark(
+            ops=tuple(args.op_names.split(',')), sides=sides, head_dims=dims,
+            num_heads=args.heads, batch=args.batch, device=args.device, dtype=dtype,
+            warmup=warmup, repeats=args.repeats or (2 if quick else 10),
+            max_quadratic_tokens=args.max_quadratic_tokens, memory=not args.no_memory,
+            quadtree_topk=4 if quick else args.quadtree_topk, log=log)
+        rows += op_rows
+        print('\n## Op level (q, k, v after the projections)\n')
+        print(bm.format_table(op_rows, bm.OP_COLUMNS))
+        exps = bm.op_exponents(op_rows)
+        print('\nFitted time exponents (median ~ N^a): ' + ', '.join(
+            f'{n} d={d}: {a:.2f}' for (n, d), a in sorted(exps.items())))
+
+    if args.sima_grid:
+        grid = bm.run_sima_order_grid(
+            tokens=(16, 32, 64) if quick else (16, 32, 48, 64, 96, 128, 256, 1024, 4096),
+            head_dims=(16, 32) if quick else (32, 48, 64, 128), device=args.device,
+            warmup=warmup, repeats=args.repeats or (2 if quick else 15), log=log)
+        rows += grid
+        print('\n## SimA order: automatic vs fixed\n')
+        print(bm.format_table(grid, bm.SIMA_COLUMNS))
+        print(f'\nworst auto / best: {max(r["auto_vs_best"] for r in grid):.3f} (min times), '
+              f'{max(r["auto_vs_best_median"] for r in grid):.3f} (medians)')
+
+    if args.backbones:
+        pairs = bm.quick_pairs() if quick else dict(bm.BACKBONE_PAIRS)
+        if args.families:
+            wanted = args.families.split(',')
+            pairs = {k: v for k, v in pairs.items() if k in wanted}
+        bb_rows = bm.run_backbone_benchmark(
+            pairs=pairs, resolutions=((64, 64), ) if quick else _resolutions(args.resolutions),
+            batch=args.batch, device=args.device, dtype=dtype,
+            warmup=args.warmup if args.warmup is not None else 1,
+            repeats=args.repeats or (2 if quick else 5), memory=not args.no_memory,
+            quick=quick, log=log)
+        rows += bb_rows
+        ratios = bm.ratio_rows(bb_rows, pairs)
+        print('\n## Backbones (batch %d, inference)\n' % args.batch)
+        print(bm.format_table(bb_rows, bm.BACKBONE_COLUMNS))
+        print('\n## Ours / softmax counterpart\n')
+        print(bm.format_table(ratios, bm.RATIO_COLUMNS))
+
+    if args.compile:
+        compile_rows = run_compile(args, quick)
+        rows += compile_rows
+        print('\n## torch.compile\n')
+        print(bm.format_table(compile_rows, (('name', 'backbone'), ('graphs', 'graphs'),
+                                             ('graph_breaks', 'graph breaks'),
+                                             ('max_abs_diff', 'max |compiled - eager|'),
+                                             ('note', 'note'))))
+
+    if args.csv:
+        bm.write_csv(rows + [dict(suite='ratio', name=r['ours'], **r) for r in ratios], args.csv)
+        print(f'\nCSV: {args.csv}')
+    if args.png:
+        ok = bm.plot_scaling(rows, args.png, title=f'flatten_mm ops, {args.device} '
+                             f'{args.dtype}, {torch.get_num_threads()} threads, {env["date"]}')
+        print(f'PNG: {args.png}' if ok else 'PNG: skipped (no matplotlib or no op rows)')
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(environment=env, rows=[{k: v for k, v in r.items()
+                                                   if not k.startswith('_')} for r in rows],
+                           ratios=ratios), f, indent=1, default=str)
+    return 0
+
+
+def run_compile(args, quick: bool):
+    """Graph breaks of every backbone (tiny archs) under ``torch._dynamo``."""
+    from flatten_mm.models.backbones import FLattenPVTv2, FLattenSwin, QuadTreePVTv2, SimAXCiT
+    tiny_pvt = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 2),
+                    mlp_ratios=(2, 2, 2, 2))
+    models = {
+        'flatten-pvt-v2 (tiny)': (FLattenPVTv2(arch=tiny_pvt), 64),
+        'quadtree-b-pvt-v2 (tiny)': (QuadTreePVTv2(arch=tiny_pvt, attn_cfg=dict(topk=2)), 64),
+        'flatten-swin (tiny)': (FLattenSwin(arch=dict(embed_dims=8, depths=(1, 1, 2, 1),
+                                                      num_heads=(1, 1, 2, 2))), 64),
+        'sima-xcit (tiny)': (SimAXCiT(arch=dict(embed_dims=32, depth=2, num_heads=2)), 64),
+    }
+    rows = []
+    for name, (model, size) in models.items():
+        x = torch.randn(1, 3, size, size)
+        rep = bm.compile_report(model, x, backend=args.compile_backend)
+        note = rep['error'] or '; '.join(rep['break_reasons'])
+        rows.append(dict(suite='compile', name=name, graphs=rep['graphs'],
+                         graph_breaks=rep['graph_breaks'], max_abs_diff=rep['max_abs_diff'],
+                         note=note or None))
+        log(f'compile {name}: {rows[-1]}')
+    return rows
+
+
+if __name__ == '__main__':
+    sys.exit(main())
