@@ -82,6 +82,8 @@ def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.devic
     """Time callables round-robin: ``warmup`` untimed rounds, then ``repeats`` rounds
     in which every case runs once (in turn).
 
+    The order of the cases rotates from round to round.
+
     Args:
         cases: name -> zero-argument callable (one forward).
         device: where the callables run (CUDA: timed with CUDA events).
@@ -98,8 +100,12 @@ def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.devic
             for fn in cases.values():
                 fn()
         _sync(device)
-        for _ in range(repeats):
-            for name, fn in cases.items():
+        items = list(cases.items())
+        for r in range(repeats):
+            # rotate the order every round: no case always follows the same (cache-
+            # trashing) neighbour
+            k = r % max(1, len(items))
+            for name, fn in items[k:] + items[:k]:
                 if device.type == 'cuda':
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)
@@ -325,16 +331,18 @@ def run_op_benchmark(ops: Sequence[str] = OPS,
     return rows
 
 
-def run_sima_order_grid(tokens: Sequence[int] = (16, 32, 48, 64, 96, 128, 256, 1024, 4096),
+def run_sima_order_grid(tokens: Sequence[int] = (16, 32, 48, 64, 96, 128, 192, 256, 512, 1024),
                         head_dims: Sequence[int] = (32, 48, 64, 128),
-                        num_heads: int = 8, batch: int = 1, device: str = 'cpu',
+                        num_heads: int = 4, batch: int = 1, device: str = 'cpu',
                         warmup: int = 3, repeats: int = 15,
                         log: Optional[Callable[[str], None]] = None) -> List[Dict[str, Any]]:
     """SimA ``order='auto'`` against both fixed orders on a grid of ``(N, d)`` covering
     both regimes (``N < d``: ``qk_first`` cheaper; ``N > d``: ``kv_first``).
 
-    Returns one dict per ``(N, d)`` with the three medians/minima and
-    ``auto_vs_best = min_ms(auto) / min(min_ms(qk_first), min_ms(kv_first))``.
+    Returns one dict per ``(N, d)`` with the three medians/minima,
+    ``auto_vs_best = min_ms(auto) / min(min_ms(qk_first), min_ms(kv_first))`` (and the
+    same with medians), and ``chosen_vs_best``: the fixed order that ``auto`` picks
+    against the faster one (the rule's quality without the noise of separate runs).
     """
     from flatten_mm.models.layers.sima_attention import sima_core, sima_order
     device_ = torch.device(device)
@@ -356,6 +364,8 @@ def run_sima_order_grid(tokens: Sequence[int] = (16, 32, 48, 64, 96, 128, 256, 1
                 row[f'{order}_min_ms'] = tim.minimum * 1e3
             row['auto_vs_best'] = t['auto'].minimum / best
             row['auto_vs_best_median'] = t['auto'].median / best_med
+            # quality of the rule alone (no timing noise of the extra 'auto' runs)
+            row['chosen_vs_best'] = t[row['chosen']].minimum / best
             rows.append(row)
             if log is not None:
                 log(f'sima N={N} d={d}: auto/best {row["auto_vs_best"]:.3f}')
@@ -635,6 +645,154 @@ def compile_report(model: nn.Module, x: torch.Tensor, backend: Optional[str] = N
     return report
 
 
+def tiny_backbones() -> Dict[str, Tuple[nn.Module, Tuple[int, int]]]:
+    """One small model of every backbone family and an input size exercising its
+    special paths (shifted windows with a mask, QuadTree top-k, padding), for
+    ``torch.compile`` checks."""
+    from flatten_mm.models.backbones import (FLattenCSWin, FLattenPVTv2, FLattenSwin,
+                                             QuadTreePVTv2, SimAXCiT)
+    tiny_pvt = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 2),
+                    mlp_ratios=(2, 2, 2, 2))
+    torch.manual_seed(0)
+    return {
+        'flatten-pvt-v2': (FLattenPVTv2(arch=tiny_pvt), (64, 80)),
+        'quadtree-b-pvt-v2': (QuadTreePVTv2(arch=tiny_pvt, attn_cfg=dict(topk=2)), (64, 80)),
+        'quadtree-a-pvt-v2': (QuadTreePVTv2(arch=tiny_pvt, attn_cfg=dict(topk=2, attn_type='A')),
+                              (64, 64)),
+        'flatten-swin': (FLattenSwin(arch=dict(embed_dims=8, depths=(1, 1, 2, 2),
+                                               num_heads=(1, 1, 2, 2))), (128, 112)),
+        'flatten-cswin': (FLattenCSWin(arch=dict(embed_dims=8, depths=(1, 1, 1, 1),
+                                                 num_heads=(2, 2, 2, 2))), (64, 64)),
+        'sima-xcit': (SimAXCiT(arch=dict(embed_dims=32, depth=2, num_heads=2)), (64, 48)),
+    }
+
+
+# --------------------------------------------------------------------------- consistency
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
+    """Relative max differences between every fast path and its reference path on
+    ``device`` (the checks of ``tests/test_layers/test_fast_paths.py`` at realistic
+    sizes; run this on a GPU, where CI never runs). TF32 is disabled during the checks.
+
+    Returns:
+        check name -> dict of relative differences (``|a - b|_max / |b|_max``) or an
+        ``'ERROR ...'`` string.
+    """
+    from flatten_mm.models.layers import (FocusedLinearAttention, QuadTreeAttention,
+                                          ShiftedWindowAttention, nchw_to_nlc, nlc_to_nchw)
+    from flatten_mm.models.layers.conv import token_conv
+    from flatten_mm.models.layers.focused_linear_attention import (
+        depthwise_conv_heads, focused_linear_core, focused_linear_core_reference)
+    from flatten_mm.models.layers.sima_attention import sima_core, sima_core_reference
+
+    dev = torch.device(device)
+    cuda = dev.type == 'cuda'
+    if cuda:
+        tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
+    def fla_core():
+        out = {}
+        for B, N, C, h in [(2, 4096, 64, 1), (1, 3136, 96, 3), (2, 784, 160, 5)]:
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(B, N, C, generator=g).to(dev) for _ in range(3))
+            pos = torch.randn(1, N, C, generator=g).to(dev)
+            scale = (0.5 * torch.randn(1, 1, C, generator=g)).to(dev)
+            ref = focused_linear_core_reference(q, k + pos, v, scale, h, 3)
+            with torch.no_grad():
+                fast = focused_linear_core(q, k, v, scale, h, 3, k_pos=pos)
+                half = focused_linear_core(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale, h,
+                                           3, k_pos=pos)
+            grad = focused_linear_core(q.clone().requires_grad_(True), k, v, scale, h, 3,
+                                       k_pos=pos).detach()
+            out[f'N{N}_C{C}_h{h}'] = dict(no_grad=_rel(fast, ref), grad=_rel(grad, ref),
+                                          bf16_inputs=_rel(half, ref))
+        return out
+
+    def token_convs():
+        torch.manual_seed(0)
+        conv = nn.Conv2d(32, 32, 5, padding=2, groups=32).to(dev)
+        conv3 = nn.Conv2d(96, 96, 3, padding=1, groups=96).to(dev)
+        x = torch.randn(2, 64 * 48, 96, device=dev)
+        with torch.no_grad():
+            return dict(
+                dwc_heads=_rel(token_conv(conv, x, (64, 48), repeat=3),
+                               depthwise_conv_heads(conv, x, (64, 48), 3)),
+                dw3x3=_rel(token_conv(conv3, x, (64, 48)),
+                           nchw_to_nlc(conv3(nlc_to_nchw(x, (64, 48))))))
+
+    def sima():
+        out = {}
+        for N, d in [(4096, 48), (32, 64)]:
+            qkv = torch.randn(2, N, 3 * 8 * d, device=dev)
+            q, k, v = qkv.reshape(2, N, 3, 8, d).permute(2, 0, 3, 1, 4).unbind(0)
+            for order in ('qk_first', 'kv_first'):
+                out[f'N{N}_d{d}_{order}'] = _rel(sima_core(q, k, v, order),
+                                                 sima_core_reference(q, k, v, order))
+        return out
+
+    def quadtree():
+        out = {}
+        for attn_type in ('A', 'B'):
+            torch.manual_seed(0)
+            m = QuadTreeAttention(64, 2, attn_type=attn_type, num_levels=4, topk=32)
+            m = m.to(dev).eval()
+            x = torch.randn(2, 120 * 100, 64, device=dev)
+            with torch.no_grad():
+                fast = m(x, (120, 100))
+            out[attn_type] = dict(no_grad_vs_grad=_rel(fast, m(x, (120, 100)).detach()))
+            if cuda:
+                with torch.no_grad():
+                    out[attn_type]['device_vs_cpu'] = _rel(fast.cpu(), m.cpu()(x.cpu(),
+                                                                                 (120, 100)))
+        return out
+
+    def caches():
+        torch.manual_seed(0)
+        w = ShiftedWindowAttention(96, 3, window_size=7, shift=True).to(dev).eval()
+        f = FocusedLinearAttention(32, 1, pretrain_hw_shape=(56, 56)).to(dev).eval()
+        nn.init.normal_(f.positional_encoding)
+        x, y = torch.randn(2, 60 * 45, 96, device=dev), torch.randn(1, 100 * 80, 32, device=dev)
+        with torch.no_grad():
+            w(x, (60, 45))
+            f(y, (100, 80))
+            cached_w, cached_f = w(x, (60, 45)), f(y, (100, 80))
+        return dict(window_bias=_rel(cached_w, w(x, (60, 45)).detach()),
+                    fla_pos_table=_rel(cached_f, f(y, (100, 80)).detach()))
+
+    def backbones():
+        out = {}
+        for name, (model, hw) in tiny_backbones().items():
+            x = torch.randn(2, 3, *hw)
+            model.eval()
+            with torch.no_grad():
+                ref = model(x)
+                model.to(dev)
+                got = model(x.to(dev))
+            out[name] = dict(device_vs_cpu=max(_rel(a.cpu(), b) for a, b in zip(got, ref)))
+        return out
+
+    results: Dict[str, Any] = {}
+    try:
+        for name, fn in [('fla_core', fla_core), ('token_conv', token_convs), ('sima', sima),
+                         ('quadtree', quadtree), ('caches', caches),
+                         ('backbones_device_vs_cpu', backbones)]:
+            if name == 'backbones_device_vs_cpu' and not cuda:
+                continue
+            try:
+                results[name] = fn()
+            except Exception as err:  # noqa: BLE001 - reported
+                results[name] = f'ERROR {type(err).__name__}: {err}'
+    finally:
+        if cuda:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    return results
+
+
 # --------------------------------------------------------------------------- output
 CSV_COLUMNS = ('suite', 'name', 'group', 'source', 'device', 'dtype', 'threads', 'batch',
                'tokens', 'height', 'width', 'heads', 'head_dims', 'median_ms', 'min_ms',
@@ -669,6 +827,8 @@ def _fmt_csv(v):
 def _fmt(v, spec: str = '.3g') -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return '-'
+    if isinstance(v, str):
+        return ' '.join(v.split()).replace('|', '/')[:160]
     if isinstance(v, float):
         return f'{v:.0f}' if abs(v) >= 1000 else format(v, spec)
     return str(v)
@@ -696,7 +856,8 @@ RATIO_COLUMNS = (('ours', 'ours'), ('baseline', 'softmax counterpart'), ('height
 SIMA_COLUMNS = (('tokens', 'N'), ('head_dims', 'd'), ('chosen', 'auto picks'),
                 ('qk_first_min_ms', 'qk_first ms'), ('kv_first_min_ms', 'kv_first ms'),
                 ('auto_min_ms', 'auto ms'), ('auto_vs_best', 'auto / best (min)'),
-                ('auto_vs_best_median', 'auto / best (median)'))
+                ('auto_vs_best_median', 'auto / best (median)'),
+                ('chosen_vs_best', 'picked order / best'))
 
 
 def plot_scaling(rows: Sequence[Dict[str, Any]], path: str, title: str = '') -> bool:
@@ -767,7 +928,7 @@ def environment() -> Dict[str, Any]:
 
 __all__ = [
     'BACKBONE_PAIRS', 'OPS', 'RESOLUTIONS', 'BackboneCase', 'Timing', 'backbone_cases',
-    'compile_report', 'environment', 'fit_exponent', 'format_table', 'make_op',
+    'check_fast_paths', 'compile_report', 'tiny_backbones', 'environment', 'fit_exponent', 'format_table', 'make_op',
     'measure_alternating', 'op_exponents', 'peak_memory_bytes', 'plot_scaling',
     'quadtree_levels', 'ratio_rows', 'relu_linear_attention', 'run_backbone_benchmark',
     'run_op_benchmark', 'run_sima_order_grid', 'write_csv'

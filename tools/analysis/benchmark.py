@@ -10,7 +10,8 @@ after the projections, over ``--sides`` (``N = s * s`` tokens) and ``--head-dims
 Backbone level: each flatten_mm backbone against its softmax counterpart (timm, and
 mmdet when installed) at ``--resolutions``. All cases of a group alternate in one
 process after warm-up; the tables give medians, minima, images/s and peak memory, the
-ratio table ours / baseline. ``--sima-grid`` checks SimA's automatic order against both
+ratio table ours / baseline. ``--check`` compares every fast path with its reference
+path on ``--device`` (for GPUs, where CI does not run). ``--sima-grid`` checks SimA's automatic order against both
 fixed orders; ``--compile`` reports ``torch.compile`` graph breaks of every backbone
 (and compiles them with ``--compile-backend``). See ``flatten_mm/analysis/benchmark.py``.
 """
@@ -47,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument('--backbones', action='store_true', help='run the backbone suite')
     p.add_argument('--sima-grid', action='store_true',
                    help='SimA automatic order vs both fixed orders on an (N, d) grid')
+    p.add_argument('--check', action='store_true',
+                   help='fast paths vs reference paths on --device (relative max differences)')
     p.add_argument('--compile', action='store_true',
                    help='torch.compile graph-break report of every backbone (small input)')
     p.add_argument('--compile-backend', default=None,
@@ -76,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument('--png', default=None, help='write the op scaling plot to this PNG')
     p.add_argument('--json', default=None, help='write rows + environment as JSON')
     args = p.parse_args(argv)
-    if not (args.ops or args.backbones or args.sima_grid or args.compile):
+    if not (args.ops or args.backbones or args.sima_grid or args.compile or args.check):
         args.ops = args.backbones = True
     return args
 
@@ -99,6 +102,13 @@ def main(argv=None) -> int:
     quick = args.quick
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
 
+    checks = None
+    if args.check:
+        checks = bm.check_fast_paths(args.device)
+        print('\n## Fast paths vs reference paths (relative max difference)\n')
+        for name, value in checks.items():
+            print(f'- {name}: {json.dumps(value)}')
+
     if args.ops:
         sides = (8, 16) if quick else _ints(args.sides)
         dims = (16, ) if quick else _ints(args.head_dims)
@@ -117,14 +127,15 @@ def main(argv=None) -> int:
 
     if args.sima_grid:
         grid = bm.run_sima_order_grid(
-            tokens=(16, 32, 64) if quick else (16, 32, 48, 64, 96, 128, 256, 1024, 4096),
+            tokens=(16, 32, 64) if quick else (16, 32, 48, 64, 96, 128, 192, 256, 512, 1024),
             head_dims=(16, 32) if quick else (32, 48, 64, 128), device=args.device,
             warmup=warmup, repeats=args.repeats or (2 if quick else 15), log=log)
         rows += grid
         print('\n## SimA order: automatic vs fixed\n')
         print(bm.format_table(grid, bm.SIMA_COLUMNS))
         print(f'\nworst auto / best: {max(r["auto_vs_best"] for r in grid):.3f} (min times), '
-              f'{max(r["auto_vs_best_median"] for r in grid):.3f} (medians)')
+              f'{max(r["auto_vs_best_median"] for r in grid):.3f} (medians); worst picked '
+              f'order / best: {max(r["chosen_vs_best"] for r in grid):.3f}')
 
     if args.backbones:
         pairs = bm.quick_pairs() if quick else dict(bm.BACKBONE_PAIRS)
@@ -164,30 +175,21 @@ def main(argv=None) -> int:
         with open(args.json, 'w') as f:
             json.dump(dict(environment=env, rows=[{k: v for k, v in r.items()
                                                    if not k.startswith('_')} for r in rows],
-                           ratios=ratios), f, indent=1, default=str)
+                           ratios=ratios, checks=checks), f, indent=1, default=str)
     return 0
 
 
 def run_compile(args, quick: bool):
-    """Graph breaks of every backbone (tiny archs) under ``torch._dynamo``."""
-    from flatten_mm.models.backbones import FLattenPVTv2, FLattenSwin, QuadTreePVTv2, SimAXCiT
-    tiny_pvt = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 2),
-                    mlp_ratios=(2, 2, 2, 2))
-    models = {
-        'flatten-pvt-v2 (tiny)': (FLattenPVTv2(arch=tiny_pvt), 64),
-        'quadtree-b-pvt-v2 (tiny)': (QuadTreePVTv2(arch=tiny_pvt, attn_cfg=dict(topk=2)), 64),
-        'flatten-swin (tiny)': (FLattenSwin(arch=dict(embed_dims=8, depths=(1, 1, 2, 1),
-                                                      num_heads=(1, 1, 2, 2))), 64),
-        'sima-xcit (tiny)': (SimAXCiT(arch=dict(embed_dims=32, depth=2, num_heads=2)), 64),
-    }
+    """Graph breaks (and, with ``--compile-backend``, compiled outputs) of every backbone
+    family on a small model."""
     rows = []
-    for name, (model, size) in models.items():
-        x = torch.randn(1, 3, size, size)
+    for name, (model, hw) in bm.tiny_backbones().items():
+        x = torch.randn(1, 3, *hw)
         rep = bm.compile_report(model, x, backend=args.compile_backend)
         note = rep['error'] or '; '.join(rep['break_reasons'])
-        rows.append(dict(suite='compile', name=name, graphs=rep['graphs'],
-                         graph_breaks=rep['graph_breaks'], max_abs_diff=rep['max_abs_diff'],
-                         note=note or None))
+        rows.append(dict(suite='compile', name=name, height=hw[0], width=hw[1],
+                         graphs=rep['graphs'], graph_breaks=rep['graph_breaks'],
+                         max_abs_diff=rep['max_abs_diff'], note=note or None))
         log(f'compile {name}: {rows[-1]}')
     return rows
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import depthwise_conv, map_as_tokens, token_conv, tokens_as_map
-from .pos_embed import PosTableCache, resize_pos_table
+from .pos_embed import PosTableCache, _is_compiling, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
 
@@ -171,7 +171,7 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qh = yq.view(B, N, h, d).transpose(1, 2)  # (B, h, N, d)
         den = qh @ k_mean  # (B, h, N, 1)
         eps = (1e-6 / rq).view(B, 1, N, 1)
-        if not inplace:
+        if not inplace or _is_compiling():  # (no out= under torch.compile)
             out = merge_heads((qh @ kv) / (den + eps))
         elif h == 1:
             out = (qh @ kv).div_(den.add_(eps)).view(B, N, C)

@@ -1,0 +1,33 @@
+"""``torch.compile`` traces every backbone family as one graph (no graph breaks in the
+attention ops), checked with ``torch._dynamo.explain`` on small models (tracing only, no
+code generation, so no C++ compiler is needed). The benchmark's ``--compile`` option
+additionally compiles and runs them (``--compile-backend inductor``)."""
+import pytest
+import torch
+
+from flatten_mm.analysis import benchmark as bm
+
+dynamo = pytest.importorskip('torch._dynamo')
+# one model per attention operator family (QuadTree A shares B's code paths)
+MODELS = {k: v for k, v in bm.tiny_backbones().items() if k != 'quadtree-a-pvt-v2'}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('name', sorted(MODELS))
+def test_backbone_traces_without_graph_breaks(name):
+    model, hw = MODELS[name]
+    report = bm.compile_report(model, torch.randn(1, 3, *hw))
+    if report['error'] and 'explain' in report['error']:
+        pytest.skip(f'torch._dynamo.explain unavailable: {report["error"]}')
+    assert report['error'] is None, report['error']
+    assert report['graph_breaks'] == 0, report['break_reasons']
+    assert report['graphs'] == 1
+
+
+@pytest.mark.timeout(300)
+def test_compiled_fla_model_matches_eager():
+    """AOT autograd (functionalisation, no code generation) keeps the outputs."""
+    model, hw = MODELS['flatten-pvt-v2']
+    report = bm.compile_report(model, torch.randn(1, 3, *hw), backend='aot_eager')
+    assert report['error'] is None, report['error']
+    assert report['max_abs_diff'] < 1e-5

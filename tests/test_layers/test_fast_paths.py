@@ -1,0 +1,279 @@
+"""Every fast path of the attention operators agrees with its reference path.
+
+Fast paths (see the benchmark in ``tools/analysis/benchmark.py``): the fused FLA kernel
+(in place without autograd, folded normalisation), convolutions on tokens as
+channels-last views, cached positional-table resizes and window biases, SimA's folded
+L1 normalisation, QuadTree's inference gathers, and XCiT's fused LayerScale residual.
+Speed itself is measured by the benchmark, never asserted here.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
+                                      PVTMlp, QuadTreeAttention, ShiftedWindowAttention,
+                                      nchw_to_nlc, nlc_to_nchw)
+from flatten_mm.models.layers.conv import map_as_tokens, token_conv, tokens_as_map
+from flatten_mm.models.layers.focused_linear_attention import (depthwise_conv_heads,
+                                                               focused_linear_core,
+                                                               focused_linear_core_reference)
+from flatten_mm.models.layers.pos_embed import PosTableCache, resize_pos_table
+from flatten_mm.models.layers.quadtree_attention import gathered_messages, gathered_scores
+from flatten_mm.models.layers.sima_attention import sima_core, sima_core_reference
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# --------------------------------------------------------------------------- FLA kernel
+FLA_CASES = [  # (B, N, n, C, heads, p, with_pos)
+    (2, 30, 30, 16, 1, 3, True),
+    (1, 42, 42, 24, 3, 3, False),
+    (2, 35, 12, 32, 4, 2, True),  # reduced keys (n != N)
+    (1, 16, 16, 8, 2, 5, True),
+]
+
+
+@pytest.mark.parametrize('B,N,n,C,h,p,with_pos', FLA_CASES)
+@pytest.mark.parametrize('grad', [False, True])
+def test_fused_fla_core_matches_reference(B, N, n, C, h, p, with_pos, grad):
+    q, k, v = _rand(B, N, C, seed=1), _rand(B, n, C, seed=2), _rand(B, n, C, seed=3)
+    scale = 0.5 * _rand(1, 1, C, seed=4)
+    pos = _rand(1, n, C, seed=5) if with_pos else None
+    inputs = [t.clone() for t in (q, k, v)]
+    ref = focused_linear_core_reference(q, k if pos is None else k + pos, v, scale, h, p)
+    if grad:  # out-of-place path (autograd)
+        q.requires_grad_(True)
+        out = focused_linear_core(q, k, v, scale, h, p, k_pos=pos)
+        assert out.grad_fn is not None
+    else:  # in-place path
+        with torch.no_grad():
+            out = focused_linear_core(q, k, v, scale, h, p, k_pos=pos)
+    # A token whose channels are all <= 0 has ||y^p|| underflow to 0 for large p: the
+    # literal formula (and the official code) gives NaN there, the fused form (1e-6 / r
+    # with r = inf) a finite result. Elsewhere both agree.
+    assert torch.isfinite(out).all()
+    ok = torch.isfinite(ref).all(-1)
+    assert ok.float().mean() > 0.8
+    torch.testing.assert_close(out[ok], ref[ok], rtol=1e-5, atol=1e-6)
+    for before, after in zip(inputs, (q, k, v)):  # the inputs are never modified
+        assert torch.equal(before, after.detach())
+
+
+def test_fused_fla_core_gradients_match_reference():
+    B, N, C, h = 2, 20, 12, 3
+    args = [_rand(B, N, C, dtype=torch.float64, seed=s).requires_grad_(True) for s in (1, 2, 3)]
+    scale = (0.5 * _rand(1, 1, C, dtype=torch.float64, seed=4)).requires_grad_(True)
+    pos = _rand(1, N, C, dtype=torch.float64, seed=5).requires_grad_(True)
+    leaves = args + [scale, pos]
+    g = _rand(B, N, C, dtype=torch.float64, seed=6)
+    q, k, v = args
+    out = focused_linear_core(q, k, v, scale, h, 3, k_pos=pos)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref = focused_linear_core_reference(q, k + pos, v, scale, h, 3)
+    grads_ref = torch.autograd.grad(ref, leaves, g)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_fused_fla_core_keeps_dtype_and_float32_kernel():
+    q, k, v = (_rand(1, 64, 16, seed=s) for s in (1, 2, 3))
+    scale = 0.5 * _rand(1, 1, 16, seed=4)
+    ref = focused_linear_core_reference(q, k, v, scale, 2, 3)
+    with torch.no_grad():
+        out = focused_linear_core(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale, 2, 3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+
+
+# --------------------------------------------------------------------------- token convs
+@pytest.mark.parametrize('groups,kernel', [(12, 3), (12, 5), (1, 3), (4, 1)])
+@pytest.mark.parametrize('contiguous', [True, False])
+def test_token_conv_equals_conv_on_nchw_map(groups, kernel, contiguous):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(12, 12, kernel, padding=kernel // 2, groups=groups)
+    hw = (5, 7)
+    x = _rand(2, 35, 24)[..., :12] if not contiguous else _rand(2, 35, 12)
+    ref = nchw_to_nlc(conv(nlc_to_nchw(x, hw)))
+    torch.testing.assert_close(token_conv(conv, x, hw), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_token_conv_repeat_equals_heads_folded_into_batch():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 5, padding=2, groups=4)
+    v = _rand(2, 6 * 9, 12)
+    ref = depthwise_conv_heads(conv, v, (6, 9), num_heads=3)
+    torch.testing.assert_close(token_conv(conv, v, (6, 9), repeat=3), ref, rtol=1e-5,
+                               atol=1e-6)
+    # gradients reach the shared weights
+    conv.zero_grad()
+    token_conv(conv, v, (6, 9), repeat=3).sum().backward()
+    assert conv.weight.grad.abs().sum() > 0 and conv.bias.grad.abs().sum() > 0
+
+
+def test_token_views_are_copy_free_and_checked():
+    x = _rand(2, 12, 5)
+    m = tokens_as_map(x, (3, 4))
+    assert m.shape == (2, 5, 3, 4) and m.data_ptr() == x.data_ptr()
+    assert map_as_tokens(m).data_ptr() == x.data_ptr()
+    with pytest.raises(ValueError, match='does not match'):
+        tokens_as_map(x, (3, 5))
+    with pytest.raises(ValueError, match='size-preserving'):
+        token_conv(nn.Conv2d(5, 5, 3), x, (3, 4))
+
+
+def test_pvt_mlp_dwconv_matches_nchw_formula():
+    torch.manual_seed(0)
+    mlp = PVTMlp(8, 16, dwconv=True)
+    x, hw = _rand(2, 20, 8), (4, 5)
+    h = mlp.fc1(x)
+    h = nchw_to_nlc(mlp.dwconv(nlc_to_nchw(h, hw)))
+    ref = mlp.fc2(mlp.act(h))
+    torch.testing.assert_close(mlp(x, hw), ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- caches
+def test_pos_table_cache_hits_and_invalidates():
+    table = nn.Parameter(_rand(1, 16, 6))
+    cache = PosTableCache()
+    with torch.no_grad():
+        a = cache(table, (4, 4), (5, 7))
+        assert cache(table, (4, 4), (5, 7)) is a and len(cache) == 1
+        torch.testing.assert_close(a, resize_pos_table(table, (4, 4), (5, 7)))
+        assert cache(table, (4, 4), (4, 4)) is table  # identity at the stored grid
+        table.add_(1.0)  # an optimizer step / load_state_dict bumps the version
+        b = cache(table, (4, 4), (5, 7))
+    assert b is not a
+    torch.testing.assert_close(b, resize_pos_table(table, (4, 4), (5, 7)))
+    # with autograd the result is differentiable and not cached
+    c = cache(table, (4, 4), (5, 7))
+    assert c.requires_grad and c is not b
+
+
+def test_fla_module_output_is_the_same_with_and_without_cache():
+    torch.manual_seed(0)
+    m = FocusedLinearAttention(16, 2, pretrain_hw_shape=(4, 4)).eval()
+    with torch.no_grad():
+        m.positional_encoding.normal_()
+    x = _rand(1, 6 * 5, 16)
+    with torch.no_grad():
+        first, second = m(x, (6, 5)), m(x, (6, 5))  # second call: cached table
+    ref = m(x, (6, 5))  # grad mode: no cache, out-of-place kernel
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_window_bias_cache_follows_the_table():
+    torch.manual_seed(0)
+    m = ShiftedWindowAttention(8, 2, window_size=3, shift=True).eval()
+    x, hw = _rand(2, 7 * 8, 8), (7, 8)
+
+    def reference():  # SDPA with the bias and mask recomputed
+        B, N, C = x.shape
+        xs = F.pad(x.reshape(B, 7, 8, C), (0, 0, 0, 1, 0, 2))  # 9 x 9
+        xs = torch.roll(xs, (-1, -1), (1, 2))
+        from flatten_mm.models.layers.window import shifted_window_mask, window_partition
+        win = window_partition(xs, (3, 3))
+        mask = shifted_window_mask((9, 9), (3, 3), (1, 1))
+        q, k, v = m.qkv(win).reshape(-1, 9, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        bias = m.relative_position_bias().unsqueeze(0) + mask.unsqueeze(1)
+        q, k, v = (t.reshape(B, 9, 2, 9, 4) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = m.proj(out.reshape(-1, 2, 9, 4).transpose(1, 2).reshape(-1, 9, C))
+        from flatten_mm.models.layers.window import window_reverse
+        out = torch.roll(window_reverse(out, (3, 3), (9, 9)), (1, 1), (1, 2))
+        return out[:, :7, :8].reshape(B, N, C)
+
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, hw), reference(), rtol=1e-5, atol=1e-6)
+        assert len(m._bias_cache) == 1
+        m.relative_position_bias_table.add_(0.5)  # the cached bias must not be reused
+        torch.testing.assert_close(m(x, hw), reference(), rtol=1e-5, atol=1e-6)
+    out = m(x, hw)  # autograd: fresh bias with a gradient path to the table
+    out.sum().backward()
+    assert m.relative_position_bias_table.grad.abs().sum() > 0
+
+
+def test_fla_qkv_windowed_no_grad_equals_grad_mode():
+    torch.manual_seed(0)
+    m = FocusedLinearAttentionQKV(12, 3, window_size=4, shift=True).eval()
+    x = _rand(2, 9 * 10, 12)
+    with torch.no_grad():
+        fast = m(x, (9, 10))
+    torch.testing.assert_close(fast, m(x, (9, 10)).detach(), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- SimA
+@pytest.mark.parametrize('order', ['qk_first', 'kv_first', 'auto'])
+@pytest.mark.parametrize('N,d', [(7, 16), (40, 8), (64, 64)])
+def test_sima_folded_normalisation_matches_reference(order, N, d):
+    B, h = 2, 3
+    qkv = _rand(B, N, 3 * h * d, dtype=torch.float64)  # strided head views, as in the module
+    q, k, v = qkv.reshape(B, N, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+    q = q.clone()
+    q[..., 0] = 0.  # an all-zero column: the 1e-12 clamp of F.normalize
+    torch.testing.assert_close(sima_core(q, k, v, order), sima_core_reference(q, k, v, order),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_sima_orders_agree_in_float32():
+    q, k, v = (_rand(1, 2, 50, 16, seed=s) for s in (1, 2, 3))
+    torch.testing.assert_close(sima_core(q, k, v, 'qk_first'), sima_core(q, k, v, 'kv_first'),
+                               rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- QuadTree
+def test_quadtree_inference_kernels_equal_autograd_kernels():
+    gen = torch.Generator().manual_seed(0)
+    B, h, L, M, K, d = 2, 3, 10, 40, 6, 5
+    query = torch.randn(B, h, L, 4, d, generator=gen)
+    key = torch.randn(B, h, M, d, generator=gen)
+    weight = torch.randn(B, h, L, 4, K, generator=gen)
+    index = torch.randint(0, M, (B, h, L, K), generator=gen)
+    with torch.no_grad():
+        fast_s = gathered_scores(query, key, index)
+        fast_s_chunked = gathered_scores(query, key, index, chunk_elements=1)
+        fast_m = gathered_messages(weight, key, index)
+    slow_s = gathered_scores(query.requires_grad_(True), key, index)
+    slow_m = gathered_messages(weight.requires_grad_(True), key, index)
+    torch.testing.assert_close(fast_s, slow_s.detach())
+    torch.testing.assert_close(fast_s_chunked, slow_s.detach())
+    torch.testing.assert_close(fast_m, slow_m.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+def test_quadtree_module_no_grad_equals_grad_mode(attn_type):
+    torch.manual_seed(0)
+    m = QuadTreeAttention(16, 2, attn_type=attn_type, num_levels=3, topk=3).eval()
+    x = _rand(2, 17 * 19, 16)  # padded to 20 x 20 inside
+    with torch.no_grad():
+        fast = m(x, (17, 19))
+    torch.testing.assert_close(fast, m(x, (17, 19)).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_quadtree_projections_equal_1x1_convs_on_the_map():
+    torch.manual_seed(0)
+    m = QuadTreeAttention(8, 1, num_levels=2, topk=2).eval()
+    x, hw = _rand(1, 8 * 8, 8), (8, 8)
+    q_ref = nchw_to_nlc(m.q_proj(nlc_to_nchw(x, hw)))
+    q = F.linear(x, m.q_proj.weight.reshape(8, 8), m.q_proj.bias)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- XCiT block
+def test_xcit_block_fused_layer_scale_equals_residual_form():
+    pytest.importorskip('mmengine')
+    from flatten_mm.models.backbones.sima_xcit import XCiTBlock
+    torch.manual_seed(0)
+    block = XCiTBlock(16, 2, layer_scale_init_value=0.5).eval()
+    with torch.no_grad():
+        for g in (block.gamma1, block.gamma2, block.gamma3):
+            g.normal_()
+    x, hw = _rand(2, 12, 16), (3, 4)
+    with torch.no_grad():
+        ref = x + block.gamma1 * block.attn(block.norm1(x), hw)
+        ref = ref + block.gamma3 * block.local_mp(block.norm3(ref), hw)
+        ref = ref + block.gamma2 * block.mlp(block.norm2(ref), hw)
+        torch.testing.assert_close(block(x, hw), ref, rtol=1e-5, atol=1e-6)
