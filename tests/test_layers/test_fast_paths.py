@@ -277,3 +277,35 @@ def test_xcit_block_fused_layer_scale_equals_residual_form():
         ref = ref + block.gamma3 * block.local_mp(block.norm3(ref), hw)
         ref = ref + block.gamma2 * block.mlp(block.norm2(ref), hw)
         torch.testing.assert_close(block(x, hw), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('attn_type,levels,hw,heads,topks', [
+    ('B', 3, (16, 12), 2, (3, 4, 4)),
+    ('A', 3, (12, 16), 1, (4, 3, 3)),
+    ('B', 4, (16, 16), 3, (2, 3, 3, 3)),
+])
+@pytest.mark.parametrize('chunk_elements', [1, 1 << 18])
+def test_quadtree_chunked_inference_core_equals_batched_autograd_core(
+        monkeypatch, attn_type, levels, hw, heads, topks, chunk_elements):
+    import flatten_mm.models.layers.quadtree_attention as qt
+    monkeypatch.setattr(qt, '_LEVEL_CHUNK_ELEMENTS', chunk_elements)  # 1: one row a chunk
+    monkeypatch.setattr(qt, '_LEVEL_ONE_CHUNK_ELEMENTS', chunk_elements)
+    gen = torch.Generator().manual_seed(0)
+    C = 4 * heads
+    maps = [[torch.randn(2, C, hw[0] >> s, hw[1] >> s, generator=gen)
+             for s in range(levels)][::-1] for _ in range(3)]
+    weight = lepes = None
+    if attn_type == 'B':
+        weight = torch.softmax(torch.randn(levels, generator=gen), 0)
+        lepes = [torch.randn_like(v) for v in maps[2]]
+    recorded = []
+    with torch.no_grad():
+        fast = qt.quadtree_attention_core(*maps, heads, topks, attn_type, weight,
+                                          [(lambda t: lambda: t)(t) for t in lepes]
+                                          if lepes else None,
+                                          margin_recorder=lambda lv, m: recorded.append(lv))
+    for t in maps[0]:
+        t.requires_grad_(True)
+    slow = qt.quadtree_attention_core(*maps, heads, topks, attn_type, weight, lepes)
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
+    assert set(recorded) == set(range(levels - 1))  # every used top-k reported a margin

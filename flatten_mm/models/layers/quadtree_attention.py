@@ -36,6 +36,7 @@ Implementation notes:
   A single-level B stage does not use it (the official code computes and discards it,
   failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
 """
+import functools
 import math
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -297,13 +298,19 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         level_weights: B only, ``(S,)`` weights of the level messages (the official
             ``softmax(py_att.weight)``); ``None`` means all ones.
         lepes: B only, optional per-level ``(B, C, h_i, w_i)`` maps added to the level
-            messages before weighting (LePE).
+            messages before weighting (LePE), or zero-argument callables returning them
+            (evaluated when the level is merged).
         margin_recorder: optional callback ``(level, margin)`` receiving, for every used
             top-k, the smallest ``(k-th - (k+1)-th) / k-th`` weight gap (parity checks).
         chunk_elements: bound on the gathered elements held at once.
 
     Returns:
         ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
+
+    Without autograd (no input requires a gradient, or grad mode is off) the finer levels
+    run in chunks of parent rows and the levels are merged in place
+    (``_finer_level_inference``): the same numbers with a peak memory of about the output
+    plus the pyramids; with autograd the batched path below (custom-backward gathers).
     """
     if attn_type not in ('A', 'B'):
         raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
@@ -318,12 +325,21 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
     temp = 1.0 / d**0.5
 
     # ---- coarsest level: full softmax attention
+    inference = not (torch.is_grad_enabled() and any(
+        t.requires_grad for t in list(queries) + list(keys) + list(values)
+        + list(lepes or []) + ([level_weights] if level_weights is not None else [])
+        if isinstance(t, torch.Tensor)))
+
+    def lepe(i: int) -> torch.Tensor:  # LePE maps may be given as callables (lazy)
+        m = lepes[i]() if callable(lepes[i]) else lepes[i]
+        return _to_heads(m.float(), h)
+
     q0, k0, v0 = (_to_heads(t.float(), h) for t in (queries[0], keys[0], values[0]))
     if S == 1 and attn_type == 'B':
         # plain softmax attention (no top-k): fused kernel, no L0 x L0 weights in memory
         msg = F.scaled_dot_product_attention(q0, k0, v0, scale=temp)
         if lepes is not None:
-            msg = msg + _to_heads(lepes[0].float(), h)
+            msg = msg + lepe(0)
         return msg if level_weights is None else msg * level_weights[0]
     attn = torch.softmax(temp * (q0 @ k0.transpose(-1, -2)), dim=-1)  # (B, h, L0, L0)
     prev_idx = prev_score = None
@@ -341,15 +357,28 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
 
     # ---- finer levels
     grid = (hc, wc)
+    lepe_added = set()  # levels whose messages already hold their LePE
     for i in range(1, S):
         final = i == S - 1
         hi, wi = queries[i].shape[-2:]
         if (hi, wi) != (2 * grid[0], 2 * grid[1]):
             raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
                              f'({grid[0]}x{grid[1]})')
-        q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
         k = _to_heads(keys[i].float(), h)  # (B, h, hi*wi, d)
         v = _to_heads(values[i].float(), h)
+        if inference:  # chunks of parent rows end to end: no (N, 4K) tensor in memory
+            # B: the level's LePE map is the buffer the messages are summed into
+            init = None
+            if attn_type == 'B' and lepes is not None:
+                init = lepe(i).contiguous()
+                lepe_added.add(i)
+            msg, prev_idx, prev_score = _finer_level_inference(
+                queries[i].float(), k, v, prev_idx, prev_score, h, temp, attn_type,
+                None if final else topks[i], margin_recorder, i, init)
+            messages.append(msg)
+            grid = (hi, wi)
+            continue
+        q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
         cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
         scores = gathered_scores(q, k, cand, chunk_elements)  # (B, h, L, 4, 4Kp)
         if attn_type == 'B':
@@ -377,16 +406,117 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
     out = None
     for i, msg in enumerate(messages):
         if attn_type == 'B':
-            if lepes is not None:
-                msg = msg + _to_heads(lepes[i].float(), h)
+            if lepes is not None and i not in lepe_added:
+                msg = msg.add_(lepe(i)) if inference else msg + lepe(i)
             if level_weights is not None:
-                msg = msg * level_weights[i]
+                msg = msg.mul_(level_weights[i]) if inference else msg * level_weights[i]
         if out is None:
             out = msg
+        elif inference:  # broadcast the coarse level into the fine one, in place
+            B_, h_, _, X = msg.shape
+            msg.view(B_, h_, grid[0], 2, grid[1], 2, X).add_(
+                out.view(B_, h_, grid[0], 1, grid[1], 1, X))
+            out = msg
+            grid = (2 * grid[0], 2 * grid[1])
         else:
             out = _upsample_tokens(out, grid) + msg
             grid = (2 * grid[0], 2 * grid[1])
+        messages[i] = None  # free merged levels
     return out
+
+
+#: a finer level whose gathered ``(parents, 4K, d)`` key rows plus ``(parents, 4, 4K)``
+#: scores fit in this many elements (16 MiB) runs as one chunk (fastest: each chunk costs
+#: ~15 small ops); larger levels run in chunks of ``_LEVEL_CHUNK_ELEMENTS`` (~2 MiB, whole
+#: parent rows, at least one), which bounds the peak memory
+_LEVEL_ONE_CHUNK_ELEMENTS = 1 << 22
+_LEVEL_CHUNK_ELEMENTS = 1 << 19
+
+
+def _to_raster_rows(x: torch.Tensor, rows: int, parent_width: int) -> torch.Tensor:
+    """``(B, h, rows * pw, 4, X)`` grouped by parent -> ``(B, h, rows, 2, pw, 2, X)``, the
+    layout of ``rows`` parent rows inside a raster ``(B, h, 2H', 2W', X)`` view."""
+    B, h = x.shape[:2]
+    X = x.shape[-1]
+    return x.reshape(B, h, rows, parent_width, 2, 2, X).transpose(3, 4)
+
+
+def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           prev_idx: torch.Tensor, prev_score: Optional[torch.Tensor], h: int,
+                           temp: float, attn_type: str, topk: Optional[int],
+                           margin_recorder: Optional[MarginRecorder], level: int,
+                           init: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                      Optional[torch.Tensor]]:
+    """One finer level without autograd, processed in chunks of parent rows (scores,
+    softmax, top-k and messages of a chunk, written straight into raster-order outputs).
+
+    Same result as the batched path of ``quadtree_attention_core``; the peak memory of a
+    level is its message map plus one chunk instead of several ``(N, 4K)`` tensors.
+
+    ``init`` (contiguous ``(B, h, hi*wi, d)``, e.g. the LePE map) is used as the message
+    buffer and the messages are added to it.
+
+    Returns:
+        messages ``(B, h, hi*wi, d)`` in raster order, and the next level's ``prev_idx``
+        / ``prev_score`` ``(B, h, hi*wi, topk)`` (``None`` for the final level; the
+        scores only for variant A, which uses them).
+    """
+    B, C, hi, wi = q_map.shape
+    d = C // h
+    pw = wi // 2  # parents per row
+    M = hi * wi
+    Kp = prev_idx.shape[-1]
+    K = 4 * Kp
+    k_table = k.reshape(B * h * M, d).contiguous()
+    v_table = v.reshape(B * h * M, d).contiguous()
+    msg = q_map.new_empty(B, h, M, d) if init is None else init
+    msg_rows = msg.view(B, h, hi // 2, 2, pw, 2, d)
+    next_idx = next_score = None
+    if topk is not None:
+        next_idx = prev_idx.new_empty(B, h, M, topk)
+        idx_rows = next_idx.view(B, h, hi // 2, 2, pw, 2, topk)
+        if attn_type == 'A':
+            next_score = q_map.new_empty(B, h, M, topk)
+            score_rows = next_score.view(B, h, hi // 2, 2, pw, 2, topk)
+    per_row = B * h * pw * K * (4 + d)
+    rows_per_chunk = hi // 2 if per_row * (hi // 2) <= _LEVEL_ONE_CHUNK_ELEMENTS else \
+        max(1, _LEVEL_CHUNK_ELEMENTS // per_row)
+    for r0 in range(0, hi // 2, rows_per_chunk):
+        r1 = min(hi // 2, r0 + rows_per_chunk)
+        s, e = r0 * pw, r1 * pw
+        q = _group_children(q_map[:, :, 2 * r0:2 * r1], h).mul_(temp)  # (B, h, P, 4, d)
+        cand = _child_candidates(prev_idx[:, :, s:e], pw)  # (B, h, P, 4Kp)
+        rows = _flat_rows(cand, M)
+        g = k_table.index_select(0, rows).view(B * h * (e - s), K, d)
+        scores = torch.bmm(q.reshape(B * h * (e - s), 4, d), g.transpose(1, 2))
+        del g
+        scores = scores.view(B, h, e - s, 4, K)
+        if attn_type == 'B':
+            attn = scores.softmax(dim=-1)
+        else:
+            attn = scores.view(B, h, e - s, 4, Kp, 4).softmax(dim=-1)
+            attn = attn.mul_(prev_score[:, :, s:e, None, :, None]).view(B, h, e - s, 4, K)
+        del scores
+        weights = attn
+        if topk is not None:
+            _record_margin(margin_recorder, level, attn, topk)
+            score_c, sel = attn.topk(topk, dim=-1, sorted=False)  # (B, h, P, 4, topk)
+            idx_c = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
+            idx_rows[:, :, r0:r1] = _to_raster_rows(idx_c, r1 - r0, pw)
+            if next_score is not None:
+                score_rows[:, :, r0:r1] = _to_raster_rows(score_c, r1 - r0, pw)
+            if attn_type == 'A':
+                weights = attn.scatter_(-1, sel, 0.)
+        bags = rows.view(B * h * (e - s), 1, K).expand(B * h * (e - s), 4, K).reshape(-1, K)
+        out = F.embedding_bag(bags, v_table, mode='sum',
+                              per_sample_weights=weights.reshape(-1, K))
+        out = _to_raster_rows(out.view(B, h, e - s, 4, d), r1 - r0, pw)
+        if init is None:
+            msg_rows[:, :, r0:r1] = out
+        else:
+            msg_rows[:, :, r0:r1] += out
+    return msg, next_idx, next_score
 
 
 # --------------------------------------------------------------------------- module
@@ -545,9 +675,11 @@ class QuadTreeAttention(nn.Module):
             level_weights = lepes = None
             if self.attn_type == 'B':
                 level_weights = torch.softmax(self.py_att.weight.float(), dim=0)
+                # evaluated when their level is merged (keeps one LePE map alive at a time)
                 lepes = [
-                    F.conv2d(val.float(), conv.weight.float(), conv.bias.float(), padding=1,
-                             groups=C) for val, conv in zip(values, self.py_att.get_vs)
+                    functools.partial(F.conv2d, val.float(), conv.weight.float(),
+                                      conv.bias.float(), padding=1, groups=C)
+                    for val, conv in zip(values, self.py_att.get_vs)
                 ]
             out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
                                           self.attn_type, level_weights, lepes,
