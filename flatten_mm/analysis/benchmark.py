@@ -557,11 +557,13 @@ def ratio_rows(rows: Sequence[Dict[str, Any]],
     """Ours / baseline latency ratios of every family and resolution.
 
     ``ratio_median`` = median(ours) / median(baseline); ``ratio_min`` = min / min;
-    ``ratio_rounds`` = median over the alternating rounds of the per-round ratio.
+    ``ratio_rounds`` = median over the alternating rounds of the per-round ratio;
+    ``ratio_cpu`` = ratio of the median process CPU times (CPU only; with one thread the
+    measure least disturbed by other processes on a shared machine).
     """
     by_group: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for r in rows:
-        if r.get('suite') == 'backbone' and 'median_ms' in r:
+        if r.get('suite') == 'backbone' and r.get('median_ms') is not None:
             by_group.setdefault(r['group'], {})[r['name']] = r
     out = []
     for group, members in by_group.items():
@@ -581,6 +583,8 @@ def ratio_rows(rows: Sequence[Dict[str, Any]],
                             ratio_median=o['median_ms'] / base['median_ms'],
                             ratio_min=o['min_ms'] / base['min_ms'],
                             ratio_rounds=statistics.median(rounds) if rounds else None,
+                            ratio_cpu=(o['cpu_ms'] / base['cpu_ms']
+                                       if o.get('cpu_ms') and base.get('cpu_ms') else None),
                             mem_ratio=(o['peak_mem_mb'] / base['peak_mem_mb']
                                        if o.get('peak_mem_mb') and base.get('peak_mem_mb')
                                        else None)))
@@ -592,7 +596,7 @@ def op_exponents(rows: Sequence[Dict[str, Any]], min_tokens: int = 0,
     """Fitted time exponent ``a`` (``median ~ N^a``) per ``(op, head_dims)``."""
     series: Dict[Tuple[str, int], List[Tuple[int, float]]] = {}
     for r in rows:
-        if r.get('suite') != 'op' or 'median_ms' not in r:
+        if r.get('suite') != 'op' or r.get('median_ms') is None:
             continue
         if r['tokens'] < min_tokens or (max_tokens is not None and r['tokens'] > max_tokens):
             continue
@@ -818,6 +822,22 @@ def write_csv(rows: Iterable[Dict[str, Any]], path: str,
             writer.writerow({k: _fmt_csv(r.get(k)) for k in columns})
 
 
+def read_csv(path: str) -> List[Dict[str, Any]]:
+    """Rows written by ``write_csv``, numbers parsed (e.g. to re-plot a stored run)."""
+    def parse(v: str):
+        if v == '':
+            return None
+        for cast in (int, float):
+            try:
+                return cast(v)
+            except ValueError:
+                pass
+        return v
+
+    with open(path, newline='') as f:
+        return [{k: parse(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def _fmt_csv(v):
     if isinstance(v, float):
         return f'{v:.6g}'
@@ -852,7 +872,8 @@ BACKBONE_COLUMNS = (('name', 'backbone'), ('height', 'H'), ('width', 'W'),
 RATIO_COLUMNS = (('ours', 'ours'), ('baseline', 'softmax counterpart'), ('height', 'H'),
                  ('width', 'W'), ('ours_ms', 'ours ms'), ('baseline_ms', 'baseline ms'),
                  ('ratio_median', 'ratio (medians)'), ('ratio_rounds', 'ratio (per round)'),
-                 ('ratio_min', 'ratio (min)'), ('mem_ratio', 'memory ratio'))
+                 ('ratio_min', 'ratio (min)'), ('ratio_cpu', 'ratio (CPU time)'),
+                 ('mem_ratio', 'memory ratio'))
 SIMA_COLUMNS = (('tokens', 'N'), ('head_dims', 'd'), ('chosen', 'auto picks'),
                 ('qk_first_min_ms', 'qk_first ms'), ('kv_first_min_ms', 'kv_first ms'),
                 ('auto_min_ms', 'auto ms'), ('auto_vs_best', 'auto / best (min)'),
@@ -869,26 +890,27 @@ def plot_scaling(rows: Sequence[Dict[str, Any]], path: str, title: str = '') -> 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    op_rows = [r for r in rows if r.get('suite') == 'op' and 'median_ms' in r]
+    op_rows = [r for r in rows if r.get('suite') == 'op' and r.get('median_ms') is not None]
     if not op_rows:
         return False
     exps = op_exponents(op_rows)
     dims = sorted({r['head_dims'] for r in op_rows})
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
     styles = ['-', '--', ':', '-.']
+    colors = plt.get_cmap('tab10').colors
     for j, d in enumerate(dims):
-        for name in OPS:
+        for c, name in enumerate(OPS):  # one colour per op, one line style per head dim
             pts = sorted((r['tokens'], r['median_ms'], r.get('peak_mem_mb'))
                          for r in op_rows if r['name'] == name and r['head_dims'] == d)
             if not pts:
                 continue
             label = f'{name} d={d} (N^{exps.get((name, d), float("nan")):.2f})'
-            line, = axes[0].plot([p[0] for p in pts], [p[1] for p in pts], styles[j % 4],
-                                 marker='o', ms=3, label=label)
+            style = dict(linestyle=styles[j % 4], marker='o', ms=3, color=colors[c % 10])
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
             mem = [(p[0], p[2]) for p in pts if p[2]]
             if mem:
-                axes[1].plot([m[0] for m in mem], [m[1] for m in mem], styles[j % 4],
-                             marker='o', ms=3, color=line.get_color(), label=f'{name} d={d}')
+                axes[1].plot([m[0] for m in mem], [m[1] for m in mem], label=f'{name} d={d}',
+                             **style)
     for ax, ylabel in zip(axes, ('median latency (ms)', 'peak memory of one call (MiB)')):
         ax.set_xscale('log')
         ax.set_yscale('log')
@@ -930,6 +952,7 @@ __all__ = [
     'BACKBONE_PAIRS', 'OPS', 'RESOLUTIONS', 'BackboneCase', 'Timing', 'backbone_cases',
     'check_fast_paths', 'compile_report', 'tiny_backbones', 'environment', 'fit_exponent', 'format_table', 'make_op',
     'measure_alternating', 'op_exponents', 'peak_memory_bytes', 'plot_scaling',
-    'quadtree_levels', 'ratio_rows', 'relu_linear_attention', 'run_backbone_benchmark',
+    'quadtree_levels', 'ratio_rows', 'read_csv', 'relu_linear_attention',
+    'run_backbone_benchmark',
     'run_op_benchmark', 'run_sima_order_grid', 'write_csv'
 ]

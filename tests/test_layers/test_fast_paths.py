@@ -279,19 +279,21 @@ def test_xcit_block_fused_layer_scale_equals_residual_form():
         torch.testing.assert_close(block(x, hw), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('attn_type,levels,hw,heads,topks', [
-    ('B', 3, (16, 12), 2, (3, 4, 4)),
-    ('A', 3, (12, 16), 1, (4, 3, 3)),
-    ('B', 4, (16, 16), 3, (2, 3, 3, 3)),
+@pytest.mark.parametrize('attn_type,levels,hw,heads,d,topks', [
+    ('B', 3, (16, 12), 2, 4, (3, 4, 4)),  # gathered key rows on every level
+    ('A', 3, (12, 16), 1, 4, (4, 3, 3)),
+    ('B', 4, (16, 16), 3, 4, (2, 3, 3, 3)),
+    ('B', 3, (16, 16), 2, 32, (4, 4, 4)),  # level 1 dense (4 M <= 4K d), level 2 gathered
+    ('A', 3, (16, 20), 1, 32, (4, 4, 4)),
 ])
 @pytest.mark.parametrize('chunk_elements', [1, 1 << 18])
 def test_quadtree_chunked_inference_core_equals_batched_autograd_core(
-        monkeypatch, attn_type, levels, hw, heads, topks, chunk_elements):
+        monkeypatch, attn_type, levels, hw, heads, d, topks, chunk_elements):
     import flatten_mm.models.layers.quadtree_attention as qt
     monkeypatch.setattr(qt, '_LEVEL_CHUNK_ELEMENTS', chunk_elements)  # 1: one row a chunk
     monkeypatch.setattr(qt, '_LEVEL_ONE_CHUNK_ELEMENTS', chunk_elements)
     gen = torch.Generator().manual_seed(0)
-    C = 4 * heads
+    C = d * heads
     maps = [[torch.randn(2, C, hw[0] >> s, hw[1] >> s, generator=gen)
              for s in range(levels)][::-1] for _ in range(3)]
     weight = lepes = None

@@ -453,6 +453,10 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Same result as the batched path of ``quadtree_attention_core``; the peak memory of a
     level is its message map plus one chunk instead of several ``(N, 4K)`` tensors.
+    Scores come from gathered key rows (``4K x d`` floats per parent) or, on levels with
+    few keys (``4 M <= 4K d``: fewer floats per parent), from one dense GEMM of the child
+    queries with all ``M`` keys followed by a gather of the candidate columns (a regular
+    matrix product instead of many tiny ones; same numbers up to rounding).
 
     ``init`` (contiguous ``(B, h, hi*wi, d)``, e.g. the LePE map) is used as the message
     buffer and the messages are added to it.
@@ -468,7 +472,11 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     M = hi * wi
     Kp = prev_idx.shape[-1]
     K = 4 * Kp
-    k_table = k.reshape(B * h * M, d).contiguous()
+    dense = 4 * M <= K * d
+    if dense:
+        k_mat = k.reshape(B * h, M, d)
+    else:
+        k_table = k.reshape(B * h * M, d).contiguous()
     v_table = v.reshape(B * h * M, d).contiguous()
     msg = q_map.new_empty(B, h, M, d) if init is None else init
     msg_rows = msg.view(B, h, hi // 2, 2, pw, 2, d)
@@ -479,7 +487,7 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if attn_type == 'A':
             next_score = q_map.new_empty(B, h, M, topk)
             score_rows = next_score.view(B, h, hi // 2, 2, pw, 2, topk)
-    per_row = B * h * pw * K * (4 + d)
+    per_row = B * h * pw * (4 * M if dense else K * d) + B * h * pw * 4 * K
     rows_per_chunk = hi // 2 if per_row * (hi // 2) <= _LEVEL_ONE_CHUNK_ELEMENTS else \
         max(1, _LEVEL_CHUNK_ELEMENTS // per_row)
     for r0 in range(0, hi // 2, rows_per_chunk):
@@ -488,9 +496,15 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q = _group_children(q_map[:, :, 2 * r0:2 * r1], h).mul_(temp)  # (B, h, P, 4, d)
         cand = _child_candidates(prev_idx[:, :, s:e], pw)  # (B, h, P, 4Kp)
         rows = _flat_rows(cand, M)
-        g = k_table.index_select(0, rows).view(B * h * (e - s), K, d)
-        scores = torch.bmm(q.reshape(B * h * (e - s), 4, d), g.transpose(1, 2))
-        del g
+        if dense:  # (B h, 4P, M) = one GEMM per batch/head, then the candidate columns
+            full = torch.bmm(q.reshape(B * h, (e - s) * 4, d), k_mat.transpose(1, 2))
+            cols = cand.unsqueeze(3).expand(B, h, e - s, 4, K).reshape(B * h, (e - s) * 4, K)
+            scores = full.gather(-1, cols)
+            del full, cols
+        else:
+            g = k_table.index_select(0, rows).view(B * h * (e - s), K, d)
+            scores = torch.bmm(q.reshape(B * h * (e - s), 4, d), g.transpose(1, 2))
+            del g
         scores = scores.view(B, h, e - s, 4, K)
         if attn_type == 'B':
             attn = scores.softmax(dim=-1)
