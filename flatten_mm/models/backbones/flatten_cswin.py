@@ -28,15 +28,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
-from mmengine.model import BaseModule
-from mmengine.model.weight_init import trunc_normal_
 
 from ...registry import MODELS
-from ...utils.pretrained import load_pretrained
 from ..layers import PreNormBlock, build_attention, nchw_to_nlc
-from .base import check_frozen_stages, check_out_indices, freeze, resolve_arch
-from .flatten_swin import check_input, merge_stage_cfgs
+from .base import DoublingStageBackbone, check_input
 
 #: global focused linear attention with LePE (the ``L`` stages of the released models)
 CSWIN_LINEAR = dict(type='CrossShapedAttention', split_size=None,
@@ -97,7 +92,7 @@ class CSWinStage(nn.Module):
 
 
 @MODELS.register_module()
-class FLattenCSWin(BaseModule):
+class FLattenCSWin(DoublingStageBackbone):
     """FLatten-CSwin backbone (stage widths ``C, 2C, 4C, 8C``; strides 4, 8, 16, 32).
 
     ``arch`` (name or dict with ``embed_dims, depths, num_heads`` and optionally
@@ -152,13 +147,12 @@ class FLattenCSWin(BaseModule):
                         dict(embed_dims=96, depths=(3, 6, 29, 2), num_heads=(4, 8, 16, 32),
                              pretrain_img_size=384, split_size=12)),
     }
-    arch_keys = ('embed_dims', 'depths', 'num_heads')
     #: optional arch keys and their defaults
     arch_geometry = dict(pretrain_img_size=224, split_size=7)
     default_attn_cfg = (CSWIN_LINEAR, CSWIN_LINEAR, CSWIN_STRIPES, CSWIN_GLOBAL)
-    num_stages = 4
     #: parameters not in the official checkpoints (the new output norms)
     dense_only_prefixes = ('norm1.', 'norm2.', 'norm3.', 'norm4.')
+    norm_offset = 1
 
     def __init__(self,
                  arch: Union[str, dict] = 't',
@@ -176,110 +170,30 @@ class FLattenCSWin(BaseModule):
                  with_cp: bool = False,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
-        name = type(self).__name__
-        settings = self._resolve_arch(arch)
-        C = int(settings['embed_dims'])
-        depths = tuple(settings['depths'])
-        num_heads = tuple(settings['num_heads'])
-        for key, val in (('depths', depths), ('num_heads', num_heads)):
-            if len(val) != self.num_stages:
-                raise ValueError(f'{name}: arch {key} needs {self.num_stages} entries, got {val}')
-        if pretrain_img_size is None:
-            pretrain_img_size = settings['pretrain_img_size']
-        if isinstance(pretrain_img_size, int):
-            pretrain_img_size = (pretrain_img_size, pretrain_img_size)
-        self.pretrain_img_size = tuple(pretrain_img_size)
+        settings = self._setup(arch, in_channels, attn_cfg, pretrain_img_size, out_indices,
+                               frozen_stages, with_cp)
         self.split_size = int(settings['split_size'] if split_size is None else split_size)
-        self.arch_settings = settings
-        self.embed_dims = tuple(C * 2**i for i in range(self.num_stages))
-        self.depths = depths
-        self.out_indices = check_out_indices(out_indices, self.num_stages, name)
-        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
-        self.with_cp = with_cp
-        self.in_channels = in_channels
-        self.attn_cfgs = merge_stage_cfgs(self.default_attn_cfg, attn_cfg, self.num_stages)
 
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = torch.linspace(0, drop_path_rate, sum(self.depths)).tolist()
         self.stages = nn.ModuleList()
         cur, prev = 0, in_channels
         for i in range(self.num_stages):
-            stride = 4 * 2**i
-            grid = (self.pretrain_img_size[0] // stride, self.pretrain_img_size[1] // stride)
             dims = self.embed_dims[i]
             embed = CSWinPatchEmbed(prev, dims, 7, 4, 2) if i == 0 else \
                 CSWinPatchEmbed(prev, dims, 3, 2, 1)
             blocks = []
-            for j in range(depths[i]):
+            for j in range(self.depths[i]):
                 attn = build_attention(
-                    self.attn_cfgs[i], embed_dims=dims, num_heads=num_heads[i],
+                    self.attn_cfgs[i], embed_dims=dims, num_heads=self.num_heads[i],
                     qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate,
-                    split_size=self.split_size, pretrain_hw_shape=grid)
+                    split_size=self.split_size, pretrain_hw_shape=self.stage_grid(i))
                 blocks.append(PreNormBlock(dims, attn, mlp_ratio=mlp_ratio, drop_rate=drop_rate,
                                            drop_path=dpr[cur + j]))
             self.stages.append(CSWinStage(embed, blocks))
-            cur += depths[i]
+            cur += self.depths[i]
             prev = dims
-        for i in self.out_indices:  # new output norms (CSWin-seg naming: norm1..norm4)
-            self.add_module(f'norm{i + 1}', nn.LayerNorm(self.embed_dims[i]))
+        self._add_output_norms()  # norm1..norm4 (CSWin-seg naming)
         self._freeze_stages()
-
-    def _resolve_arch(self, arch: Union[str, dict]) -> dict:
-        if isinstance(arch, dict):
-            arch = dict(arch)
-            geometry = {k: arch.pop(k, v) for k, v in self.arch_geometry.items()}
-            settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, type(self).__name__)
-        else:
-            settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, type(self).__name__)
-            geometry = {k: settings.pop(k, v) for k, v in self.arch_geometry.items()}
-        settings.update(geometry)
-        return settings
-
-    # ------------------------------------------------------------------ contract
-    @property
-    def out_channels(self) -> Tuple[int, ...]:
-        """Channels of each returned map."""
-        return tuple(self.embed_dims[i] for i in self.out_indices)
-
-    @property
-    def out_strides(self) -> Tuple[int, ...]:
-        """Stride (w.r.t. the input) of each returned map."""
-        return tuple(4 * 2**i for i in self.out_indices)
-
-    def min_input_size(self) -> Tuple[int, int]:
-        """Smallest input ``(H, W)`` accepted: ``(1, 1)``, any size is padded."""
-        return 1, 1
-
-    # ------------------------------------------------------------------ init / freezing
-    def init_weights(self) -> None:
-        """CSWin initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
-        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
-            return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def _freeze_stages(self) -> None:
-        for i in range(self.frozen_stages + 1):
-            freeze(self.stages[i])
-            if i in self.out_indices:
-                freeze(getattr(self, f'norm{i + 1}'))
-
-    def train(self, mode: bool = True) -> 'FLattenCSWin':
-        super().train(mode)
-        self._freeze_stages()
-        return self
-
-    # ------------------------------------------------------------------ forward
-    def _run_block(self, block: nn.Module, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
-        if self.with_cp and x.requires_grad:
-            return cp.checkpoint(block, x, hw, use_reentrant=False)
-        return block(x, hw)
 
     def iter_stages(self, x: torch.Tensor, last: Optional[int] = None
                     ) -> Iterator[Tuple[int, torch.Tensor, Tuple[int, int]]]:
@@ -295,19 +209,3 @@ class FLattenCSWin(BaseModule):
             if i == last:
                 return
             x = x.transpose(1, 2).reshape(x.shape[0], -1, *hw)
-
-    def forward_raw(self, x: torch.Tensor) -> List[torch.Tensor]:
-        """Un-normalised maps ``(B, C_i, H_i, W_i)`` of all four stages (the official
-        classification model's stage outputs; used by the parity checks)."""
-        return [tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw)
-                for _, tokens, hw in self.iter_stages(x)]
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Args: x ``(B, C_in, H, W)``, any ``H, W``. Returns the maps of ``out_indices``,
-        ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for ``s = out_strides[k]``."""
-        outs = []
-        for i, tokens, hw in self.iter_stages(x, last=max(self.out_indices)):
-            if i in self.out_indices:
-                tokens = getattr(self, f'norm{i + 1}')(tokens)
-                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw))
-        return tuple(outs)

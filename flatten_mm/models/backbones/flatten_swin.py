@@ -27,53 +27,16 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
-from mmengine.model import BaseModule
-from mmengine.model.weight_init import trunc_normal_
 
 from ...registry import MODELS
-from ...utils.pretrained import load_pretrained
 from ..layers import PreNormBlock, PVTPatchEmbed, build_attention
-from .base import check_frozen_stages, check_out_indices, expand_per_stage, freeze, resolve_arch
+from .base import DoublingStageBackbone, check_input
 
 #: global focused linear attention (the ``L`` stages of the released models)
 SWIN_LINEAR = dict(type='FocusedLinearAttentionQKV', window_size=None, focusing_factor=3,
                    kernel_size=5)
 #: Swin shifted-window softmax attention (the ``S`` stages); window from the backbone
 SWIN_SOFTMAX = dict(type='ShiftedWindowAttention')
-
-
-def merge_stage_cfgs(defaults: Union[dict, Sequence[dict]], user, num_stages: int,
-                     name: str = 'attn_cfg') -> List[dict]:
-    """Per-stage attention configs: ``user`` (one dict or one per stage) over ``defaults``.
-
-    A user dict with ``type`` replaces the default of its stage; one without ``type``
-    updates it (same operator, other arguments).
-    """
-    base = expand_per_stage(defaults, num_stages, f'default {name}')
-    if user is None:
-        return base
-    cfgs = []
-    for d, u in zip(base, expand_per_stage(user, num_stages, name)):
-        u = dict(u)
-        if 'type' in u:
-            cfgs.append(u)
-        else:
-            d.update(u)
-            cfgs.append(d)
-    return cfgs
-
-
-def check_input(x: torch.Tensor, in_channels: int, owner: str) -> None:
-    """Validate an image batch ``(B, C_in, H, W)`` (any ``H, W >= 1``)."""
-    if x.dim() != 4:
-        raise ValueError(f'{owner} expects a (B, C, H, W) tensor, got shape {tuple(x.shape)}')
-    if x.shape[1] != in_channels:
-        raise ValueError(f'{owner} was built for {in_channels} input channels, '
-                         f'got an input with {x.shape[1]}')
-    if x.shape[2] < 1 or x.shape[3] < 1:
-        raise ValueError(f'{owner} needs an input of at least 1x1 pixels (any size is padded), '
-                         f'got {x.shape[2]}x{x.shape[3]}')
 
 
 class PatchMerging(nn.Module):
@@ -116,7 +79,7 @@ class SwinStage(nn.Module):
 
 
 @MODELS.register_module()
-class FLattenSwin(BaseModule):
+class FLattenSwin(DoublingStageBackbone):
     """FLatten-Swin backbone (stage widths ``C, 2C, 4C, 8C``; strides 4, 8, 16, 32).
 
     ``arch`` (name or dict with ``embed_dims, depths, num_heads`` and optionally
@@ -174,13 +137,12 @@ class FLattenSwin(BaseModule):
                         dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32),
                              pretrain_img_size=384, window_size=12)),
     }
-    arch_keys = ('embed_dims', 'depths', 'num_heads')
     #: optional arch keys and their defaults
     arch_geometry = dict(pretrain_img_size=224, window_size=7)
     default_attn_cfg = (SWIN_LINEAR, SWIN_LINEAR, SWIN_SOFTMAX, SWIN_SOFTMAX)
-    num_stages = 4
     #: parameters not in the official checkpoints (the new output norms)
     dense_only_prefixes = ('norm0.', 'norm1.', 'norm2.', 'norm3.')
+    stem_names = ('patch_embed', )
 
     def __init__(self,
                  arch: Union[str, dict] = 't',
@@ -198,111 +160,31 @@ class FLattenSwin(BaseModule):
                  with_cp: bool = False,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
-        name = type(self).__name__
-        settings = self._resolve_arch(arch)
-        C = int(settings['embed_dims'])
-        depths = tuple(settings['depths'])
-        num_heads = tuple(settings['num_heads'])
-        for key, val in (('depths', depths), ('num_heads', num_heads)):
-            if len(val) != self.num_stages:
-                raise ValueError(f'{name}: arch {key} needs {self.num_stages} entries, got {val}')
-        if pretrain_img_size is None:
-            pretrain_img_size = settings['pretrain_img_size']
-        if isinstance(pretrain_img_size, int):
-            pretrain_img_size = (pretrain_img_size, pretrain_img_size)
+        settings = self._setup(arch, in_channels, attn_cfg, pretrain_img_size, out_indices,
+                               frozen_stages, with_cp)
         self.window_size = int(settings['window_size'] if window_size is None else window_size)
-        self.pretrain_img_size = tuple(pretrain_img_size)
-        self.arch_settings = settings
-        self.embed_dims = tuple(C * 2**i for i in range(self.num_stages))
-        self.depths = depths
-        self.out_indices = check_out_indices(out_indices, self.num_stages, name)
-        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
-        self.with_cp = with_cp
-        self.in_channels = in_channels
-        self.attn_cfgs = merge_stage_cfgs(self.default_attn_cfg, attn_cfg, self.num_stages)
+        C = self.embed_dims[0]
 
         self.patch_embed = PVTPatchEmbed(in_channels, C, stride=4, overlap=False)
-        dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        dpr = torch.linspace(0, drop_path_rate, sum(self.depths)).tolist()
         self.stages = nn.ModuleList()
         cur = 0
         for i in range(self.num_stages):
-            stride = 4 * 2**i
-            grid = (self.pretrain_img_size[0] // stride, self.pretrain_img_size[1] // stride)
             dims = self.embed_dims[i]
             blocks = []
-            for j in range(depths[i]):
+            for j in range(self.depths[i]):
                 attn = build_attention(
-                    self.attn_cfgs[i], embed_dims=dims, num_heads=num_heads[i],
+                    self.attn_cfgs[i], embed_dims=dims, num_heads=self.num_heads[i],
                     qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate,
-                    window_size=self.window_size, shift=j % 2 == 1, pretrain_hw_shape=grid)
+                    window_size=self.window_size, shift=j % 2 == 1,
+                    pretrain_hw_shape=self.stage_grid(i))
                 blocks.append(PreNormBlock(dims, attn, mlp_ratio=mlp_ratio, drop_rate=drop_rate,
                                            drop_path=dpr[cur + j]))
             downsample = PatchMerging(dims) if i < self.num_stages - 1 else None
             self.stages.append(SwinStage(blocks, downsample))
-            cur += depths[i]
-        for i in self.out_indices:  # new output norms (Swin dense convention)
-            self.add_module(f'norm{i}', nn.LayerNorm(self.embed_dims[i]))
+            cur += self.depths[i]
+        self._add_output_norms()  # norm0..norm3 (Swin dense convention)
         self._freeze_stages()
-
-    def _resolve_arch(self, arch: Union[str, dict]) -> dict:
-        if isinstance(arch, dict):
-            arch = dict(arch)
-            geometry = {k: arch.pop(k, v) for k, v in self.arch_geometry.items()}
-            settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, type(self).__name__)
-        else:
-            settings = resolve_arch(arch, self.arch_zoo, self.arch_keys, type(self).__name__)
-            geometry = {k: settings.pop(k, v) for k, v in self.arch_geometry.items()}
-        settings.update(geometry)
-        return settings
-
-    # ------------------------------------------------------------------ contract
-    @property
-    def out_channels(self) -> Tuple[int, ...]:
-        """Channels of each returned map."""
-        return tuple(self.embed_dims[i] for i in self.out_indices)
-
-    @property
-    def out_strides(self) -> Tuple[int, ...]:
-        """Stride (w.r.t. the input) of each returned map."""
-        return tuple(4 * 2**i for i in self.out_indices)
-
-    def min_input_size(self) -> Tuple[int, int]:
-        """Smallest input ``(H, W)`` accepted: ``(1, 1)``, any size is padded."""
-        return 1, 1
-
-    # ------------------------------------------------------------------ init / freezing
-    def init_weights(self) -> None:
-        """Swin initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
-        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
-            return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def _freeze_stages(self) -> None:
-        if self.frozen_stages >= 0:
-            freeze(self.patch_embed)
-        for i in range(self.frozen_stages + 1):
-            freeze(self.stages[i])
-            if i in self.out_indices:
-                freeze(getattr(self, f'norm{i}'))
-
-    def train(self, mode: bool = True) -> 'FLattenSwin':
-        super().train(mode)
-        self._freeze_stages()
-        return self
-
-    # ------------------------------------------------------------------ forward
-    def _run_block(self, block: nn.Module, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
-        if self.with_cp and x.requires_grad:
-            return cp.checkpoint(block, x, hw, use_reentrant=False)
-        return block(x, hw)
 
     def iter_stages(self, x: torch.Tensor, last: Optional[int] = None
                     ) -> Iterator[Tuple[int, torch.Tensor, Tuple[int, int]]]:
@@ -318,19 +200,3 @@ class FLattenSwin(BaseModule):
             if i == last:
                 return
             x, hw = stage.downsample(x, hw)
-
-    def forward_raw(self, x: torch.Tensor) -> List[torch.Tensor]:
-        """Un-normalised maps ``(B, C_i, H_i, W_i)`` of all four stages (the official
-        classification model's stage outputs; used by the parity checks)."""
-        return [tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw)
-                for _, tokens, hw in self.iter_stages(x)]
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Args: x ``(B, C_in, H, W)``, any ``H, W``. Returns the maps of ``out_indices``,
-        ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for ``s = out_strides[k]``."""
-        outs = []
-        for i, tokens, hw in self.iter_stages(x, last=max(self.out_indices)):
-            if i in self.out_indices:
-                tokens = getattr(self, f'norm{i}')(tokens)
-                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw))
-        return tuple(outs)

@@ -431,6 +431,9 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
 #: parent rows, at least one), which bounds the peak memory
 _LEVEL_ONE_CHUNK_ELEMENTS = 1 << 22
 _LEVEL_CHUNK_ELEMENTS = 1 << 19
+#: on accelerators kernel launches, not caches, set the cost of a chunk (~20 launches):
+#: levels run in chunks of up to 16 Mi elements (64 MiB): a few chunks per level at most
+_DEVICE_LEVEL_CHUNK_ELEMENTS = 1 << 24
 
 
 def _to_raster_rows(x: torch.Tensor, rows: int, parent_width: int) -> torch.Tensor:
@@ -488,8 +491,15 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             next_score = q_map.new_empty(B, h, M, topk)
             score_rows = next_score.view(B, h, hi // 2, 2, pw, 2, topk)
     per_row = B * h * pw * (4 * M if dense else K * d) + B * h * pw * 4 * K
-    rows_per_chunk = hi // 2 if per_row * (hi // 2) <= _LEVEL_ONE_CHUNK_ELEMENTS else \
-        max(1, _LEVEL_CHUNK_ELEMENTS // per_row)
+    # the dense (4P, M) score block is one GEMM whatever its size: keep it to the small
+    # chunk budget (it would otherwise dominate the peak memory of the whole operator)
+    if q_map.device.type == 'cpu':
+        one_chunk = _LEVEL_CHUNK_ELEMENTS if dense else _LEVEL_ONE_CHUNK_ELEMENTS
+        chunk_elements = _LEVEL_CHUNK_ELEMENTS
+    else:
+        one_chunk = chunk_elements = _DEVICE_LEVEL_CHUNK_ELEMENTS
+    rows_per_chunk = hi // 2 if per_row * (hi // 2) <= one_chunk else \
+        max(1, chunk_elements // per_row)
     for r0 in range(0, hi // 2, rows_per_chunk):
         r1 = min(hi // 2, r0 + rows_per_chunk)
         s, e = r0 * pw, r1 * pw
@@ -498,9 +508,10 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         rows = _flat_rows(cand, M)
         if dense:  # (B h, 4P, M) = one GEMM per batch/head, then the candidate columns
             full = torch.bmm(q.reshape(B * h, (e - s) * 4, d), k_mat.transpose(1, 2))
-            cols = cand.unsqueeze(3).expand(B, h, e - s, 4, K).reshape(B * h, (e - s) * 4, K)
-            scores = full.gather(-1, cols)
-            del full, cols
+            # the 4 children share their parent's candidates: a stride-0 index, no copy
+            scores = full.view(B, h, e - s, 4, M).gather(
+                -1, cand.unsqueeze(3).expand(B, h, e - s, 4, K))
+            del full
         else:
             g = k_table.index_select(0, rows).view(B * h * (e - s), K, d)
             scores = torch.bmm(q.reshape(B * h * (e - s), 4, d), g.transpose(1, 2))
