@@ -68,8 +68,8 @@ def _resolve(name: str) -> Optional[Any]:
 def allowed_globals_for(filename: str) -> List[Any]:
     """The allow-listed globals that ``filename`` needs (raises if it needs others)."""
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(filename)
-    refused = [n for n in needed if n != 'builtins.getattr' and n not in SAFE_GLOBAL_NAMES
-               and not n.startswith(SAFE_GLOBAL_PREFIXES)]
+    refused = sorted(n for n in needed if n != 'builtins.getattr' and n not in SAFE_GLOBAL_NAMES
+                     and not n.startswith(SAFE_GLOBAL_PREFIXES))
     if refused:
         raise pickle.UnpicklingError(
             f'{filename} contains pickled objects outside the allow-list of mmengine '

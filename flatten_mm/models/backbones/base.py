@@ -99,15 +99,18 @@ def merge_stage_cfgs(defaults: Union[dict, Sequence[dict]], user, num_stages: in
     return cfgs
 
 
-def check_input(x: torch.Tensor, in_channels: int, owner: str) -> None:
-    """Validate an image batch ``(B, C_in, H, W)`` (any ``H, W >= 1``)."""
+def check_input(x: torch.Tensor, in_channels: int, owner: str,
+                size_note: Optional[str] = 'any size is padded') -> None:
+    """Validate an image batch ``(B, C_in, H, W)``: four dimensions, ``in_channels``
+    channels and, unless ``size_note`` is ``None`` (the backbone checks its own minimum),
+    ``H, W >= 1`` (``size_note`` says why any size works)."""
     if x.dim() != 4:
         raise ValueError(f'{owner} expects a (B, C, H, W) tensor, got shape {tuple(x.shape)}')
     if x.shape[1] != in_channels:
         raise ValueError(f'{owner} was built for {in_channels} input channels, '
                          f'got an input with {x.shape[1]}')
-    if x.shape[2] < 1 or x.shape[3] < 1:
-        raise ValueError(f'{owner} needs an input of at least 1x1 pixels (any size is padded), '
+    if size_note is not None and (x.shape[2] < 1 or x.shape[3] < 1):
+        raise ValueError(f'{owner} needs an input of at least 1x1 pixels ({size_note}), '
                          f'got {x.shape[2]}x{x.shape[3]}')
 
 

@@ -25,8 +25,8 @@ from timm.layers import DropPath
 from ...registry import MODELS
 from ...utils.pretrained import load_pretrained
 from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
-from .base import (check_frozen_stages, check_out_indices, expand_per_stage, freeze,
-                   resolve_arch)
+from .base import (check_frozen_stages, check_input, check_out_indices, expand_per_stage,
+                   freeze, resolve_arch)
 
 FLA = dict(type='FocusedLinearAttention', sr_ratio=1, focusing_factor=3, kernel_size=5)
 
@@ -296,12 +296,8 @@ class PyramidVisionBackbone(BaseModule):
         """Args: x ``(B, C_in, H, W)``, any H, W of at least ``min_input_size()``. Returns the
         maps of ``out_indices``, ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for
         ``s = out_strides[k]``."""
-        if x.dim() != 4:
-            raise ValueError(f'{type(self).__name__} expects a (B, C, H, W) tensor, got {tuple(x.shape)}')
-        in_ch = self.stages[0].patch_embed.proj.in_channels
-        if x.shape[1] != in_ch:
-            raise ValueError(f'{type(self).__name__} was built for {in_ch} input channels, '
-                             f'got an input with {x.shape[1]}')
+        check_input(x, self.stages[0].patch_embed.proj.in_channels, type(self).__name__,
+                    size_note=None)
         self.check_input_size((x.shape[2], x.shape[3]))
         outs = []
         for i in range(self.num_stages):

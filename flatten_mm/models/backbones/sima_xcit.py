@@ -24,7 +24,7 @@ from ...registry import MODELS
 from ...utils.pretrained import load_pretrained
 from ..layers import (LPI, ConvPatchEmbed, FourierPositionalEncoding, PVTMlp, build_attention,
                       nlc_to_nchw)
-from .base import check_frozen_stages, freeze, resolve_arch
+from .base import check_frozen_stages, check_input, freeze, resolve_arch
 
 SIMA = dict(type='SimAAttention')
 
@@ -353,17 +353,6 @@ class SimAXCiT(BaseModule):
         return self
 
     # ------------------------------------------------------------------ forward
-    def _check_input(self, x: torch.Tensor) -> None:
-        name = type(self).__name__
-        if x.dim() != 4:
-            raise ValueError(f'{name} expects a (B, C, H, W) tensor, got {tuple(x.shape)}')
-        if x.shape[1] != self.in_channels:
-            raise ValueError(f'{name} was built for {self.in_channels} input channels, '
-                             f'got an input with {x.shape[1]}')
-        if x.shape[2] < 1 or x.shape[3] < 1:
-            raise ValueError(f'{name} needs an input of at least 1x1 pixels, '
-                             f'got {x.shape[2]}x{x.shape[3]}')
-
     def embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """Embed ``(B, C_in, H, W)`` and add the positional encoding. Returns tokens
         ``(B, Hp*Wp, C)`` and ``(Hp, Wp)``, ``Hp = ceil(H / patch_size)``.
@@ -371,7 +360,8 @@ class SimAXCiT(BaseModule):
         No explicit padding: every stride-2 conv of the stem (padding 1) maps a size
         ``s`` to ``ceil(s / 2)``, so any ``H x W`` works and gives exactly the tokens of
         the upstream model for that input."""
-        self._check_input(x)
+        check_input(x, self.in_channels, type(self).__name__,
+                    size_note='the stride-2 stem convs take any size')
         tokens, hw = self.patch_embed(x)
         if self.pos_embeder is not None:
             tokens = tokens + self.pos_embeder(hw).to(tokens.dtype)
