@@ -292,6 +292,7 @@ def test_quadtree_chunked_inference_core_equals_batched_autograd_core(
     import flatten_mm.models.layers.quadtree_attention as qt
     monkeypatch.setattr(qt, '_LEVEL_CHUNK_ELEMENTS', chunk_elements)  # 1: one row a chunk
     monkeypatch.setattr(qt, '_LEVEL_ONE_CHUNK_ELEMENTS', chunk_elements)
+    monkeypatch.setattr(qt, '_DENSE_ONE_CHUNK_ELEMENTS', chunk_elements)
     gen = torch.Generator().manual_seed(0)
     C = d * heads
     maps = [[torch.randn(2, C, hw[0] >> s, hw[1] >> s, generator=gen)
