@@ -2,19 +2,9 @@
 # paper gives none; its baseline row is the PVT paper's): PVT paper protocol -- AdamW
 # lr 1e-4, weight decay 1e-4 (none on norms / position tables / FLA `scale`), poly power
 # 0.9, 80k iterations, batch 16 (4 GPUs x 4), drop path 0.1. See README.md.
-_base_ = [
-    'mmseg::_base_/models/fpn_r50.py',
-    'mmseg::_base_/datasets/ade20k.py',
-    'mmseg::_base_/default_runtime.py',
-    'mmseg::_base_/schedules/schedule_80k.py',
-]
-custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+_base_ = '../../_base_/mmseg/fpn-pvt-80k_ade20k-512x512.py'
 
-crop_size = (512, 512)
-data_preprocessor = dict(size=crop_size)
 model = dict(
-    data_preprocessor=data_preprocessor,
-    pretrained=None,
     backbone=dict(
         _delete_=True,
         type='flatten_mm.FLattenPVT',
@@ -22,21 +12,8 @@ model = dict(
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
         init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-t_in1k.pth')),
-    neck=dict(in_channels=[64, 128, 320, 512]),
-    decode_head=dict(num_classes=150))
+    neck=dict(in_channels=[64, 128, 320, 512]))
 
-optim_wrapper = dict(
-    _delete_=True,
-    type='OptimWrapper',
-    optimizer=dict(type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4),
-    clip_grad=None,
-    paramwise_cfg=dict(custom_keys={
-        'norm': dict(decay_mult=0.),
-        'pos_embed': dict(decay_mult=0.),
-        'positional_encoding': dict(decay_mult=0.),
-        'attn.scale': dict(decay_mult=0.),
-    }))
-param_scheduler = [
-    dict(type='PolyLR', eta_min=0.0, power=0.9, begin=0, end=80000, by_epoch=False)
-]
+# PVT (v1) keeps absolute position tables as `pos_embed`
+optim_wrapper = dict(paramwise_cfg=dict(custom_keys={'pos_embed': dict(decay_mult=0.)}))
 train_dataloader = dict(batch_size=4)

@@ -2,21 +2,11 @@
 # (FLatten; p=3, 5x5 DWC) in stages 1-2 and SimA (softmax-free, L1-normalised q/k) in
 # stages 3-4. Built from the generic `flatten_mm.PVTv2` skeleton through `attn_cfg`; no
 # new class. No published result exists for this combination. Recipe = the FLatten-PVTv2
-# Semantic FPN recipe of configs/mmseg/flatten_pvt_v2 (PVT protocol: AdamW 1e-4, wd 1e-4,
+# Semantic FPN recipe (configs/_base_/mmseg/fpn-pvt-80k; PVT protocol: AdamW 1e-4, wd 1e-4,
 # poly 0.9, 80k iterations, batch 16).
-_base_ = [
-    'mmseg::_base_/models/fpn_r50.py',
-    'mmseg::_base_/datasets/ade20k.py',
-    'mmseg::_base_/default_runtime.py',
-    'mmseg::_base_/schedules/schedule_80k.py',
-]
-custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+_base_ = '../../_base_/mmseg/fpn-pvt-80k_ade20k-512x512.py'
 
-crop_size = (512, 512)
-data_preprocessor = dict(size=crop_size)
 model = dict(
-    data_preprocessor=data_preprocessor,
-    pretrained=None,
     backbone=dict(
         _delete_=True,
         type='flatten_mm.PVTv2',
@@ -36,19 +26,4 @@ model = dict(
         # strict=False (flatten_mm refuses partial matches otherwise; missing keys logged).
         init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b1_in1k.pth',
                       strict=False)),
-    neck=dict(in_channels=[64, 128, 320, 512]),
-    decode_head=dict(num_classes=150))
-
-optim_wrapper = dict(
-    _delete_=True,
-    type='OptimWrapper',
-    optimizer=dict(type='AdamW', lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4),
-    clip_grad=None,
-    paramwise_cfg=dict(custom_keys={
-        'norm': dict(decay_mult=0.),
-        'positional_encoding': dict(decay_mult=0.),
-        'attn.scale': dict(decay_mult=0.),
-    }))
-param_scheduler = [
-    dict(type='PolyLR', eta_min=0.0, power=0.9, begin=0, end=80000, by_epoch=False)
-]
+    neck=dict(in_channels=[64, 128, 320, 512]))
