@@ -129,3 +129,19 @@ def test_arch_aliases_and_param_count():
     assert abs(sum(p.numel() for p in FLattenPVTv2('b0').parameters()) / 1e6 - 3.34) < 0.01
     assert abs(sum(p.numel() for p in FLattenPVT('tiny').parameters()) / 1e6 - 11.64) < 0.02
     assert FLattenPVT('t').depths == FLattenPVT('tiny').depths
+
+
+@pytest.mark.parametrize('attn', ['FocusedLinearAttention', 'SpatialReductionAttention'])
+def test_reduced_key_stages_declare_their_minimum_input(attn):
+    """Both PVT-style attentions share the key/value reduction: with sr_ratio 4 in stage 1
+    the stage map must be at least 4x4, i.e. the input at least 13x13; smaller inputs get
+    a ValueError naming the operator and the minimum before any computation."""
+    model = FLattenPVTv2(arch=TINY, pretrain_img_size=64, attn_cfg=[
+        dict(type=attn, sr_ratio=4), dict(type=attn), dict(type=attn), dict(type=attn)]).eval()
+    assert model.min_input_size() == (13, 13)
+    with torch.no_grad():
+        outs = model(torch.randn(1, 3, 13, 17))
+    assert [tuple(o.shape[-2:]) for o in outs] == [(4, 5), (2, 3), (1, 2), (1, 1)]
+    with pytest.raises(ValueError, match=rf'{attn}: a 3x5 map is smaller than the 4x4 '
+                                         r'reduction conv.*smallest square input is 13x13'):
+        model(torch.randn(1, 3, 12, 17))

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .conv import depthwise_conv, map_as_tokens, token_conv, tokens_as_map
+from .conv import depthwise_conv, token_conv
+from .kv_reduction import KVReductionMixin
 from .pos_embed import PosTableCache, _is_compiling, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
@@ -184,7 +185,7 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(out_dtype)
 
 
-class FocusedLinearAttention(nn.Module):
+class FocusedLinearAttention(KVReductionMixin, nn.Module):
     """FLA with PVT-style projections (``q``, ``kv``), as in FLatten-PVT / -PVTv2.
 
     Args:
@@ -230,8 +231,6 @@ class FocusedLinearAttention(nn.Module):
         self.embed_dims = embed_dims
         self.num_heads = num_heads
         self.head_dims = embed_dims // num_heads
-        self.sr_ratio = sr_ratio
-        self.linear = linear
         self.focusing_factor = focusing_factor
         self.pe_interp_mode = pe_interp_mode
 
@@ -239,14 +238,7 @@ class FocusedLinearAttention(nn.Module):
         self.kv = nn.Linear(embed_dims, 2 * embed_dims, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
-        if linear:
-            self.pool = nn.AdaptiveAvgPool2d(7)
-            self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=1, stride=1)
-            self.norm = nn.LayerNorm(embed_dims)
-            self.act = nn.GELU()
-        elif sr_ratio > 1:
-            self.sr = nn.Conv2d(embed_dims, embed_dims, kernel_size=sr_ratio, stride=sr_ratio)
-            self.norm = nn.LayerNorm(embed_dims)
+        self._init_kv_reduction(embed_dims, sr_ratio, linear)
         # the official table has num_patches // sr^2 tokens: the key grid at pretraining
         self.pe_hw_shape = (pretrain_hw_shape[0] // sr_ratio, pretrain_hw_shape[1] // sr_ratio)
         if linear and self.pe_hw_shape != (7, 7):
@@ -274,22 +266,6 @@ class FocusedLinearAttention(nn.Module):
                 state_dict[key] = resize_pos_table(table, (side, side), self.pe_hw_shape,
                                                    mode='bicubic')
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def reduce_kv_input(self, x: torch.Tensor, hw_shape: Tuple[int, int]
-                        ) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        """Tokens that produce K and V, with their grid."""
-        # tokens are viewed as a channels-last map (no transposed copies)
-        if self.linear:
-            x_ = self.pool(tokens_as_map(x, hw_shape))
-            x_ = self.act(self.norm(map_as_tokens(self.sr(x_))))
-            return x_, (7, 7)
-        if self.sr_ratio > 1:
-            x_ = self.sr(tokens_as_map(x, hw_shape))
-            kv_hw = (x_.shape[2], x_.shape[3])
-            if kv_hw[0] == 0 or kv_hw[1] == 0:
-                raise ValueError(f'feature map {hw_shape} is smaller than sr_ratio {self.sr_ratio}')
-            return self.norm(map_as_tokens(x_)), kv_hw
-        return x, hw_shape
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape=(H, W)`` map. Returns ``(B, N, C)``."""
