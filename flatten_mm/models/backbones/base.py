@@ -78,6 +78,31 @@ def expand_per_stage(cfg, num_stages: int, name: str) -> list:
 
 
 
+def init_weights_or_load(model: nn.Module, init_cfg, conv_fan_out: bool = False) -> bool:
+    """Initialise a backbone: the ``Pretrained`` checkpoint of ``init_cfg`` (checked, see
+    ``load_pretrained``: a wrong family / variant is refused), else the transformer
+    initialisation -- truncated-normal (std 0.02) linears with zero bias, unit
+    LayerNorm / GroupNorm and, with ``conv_fan_out``, PVT's fan-out normal convs.
+    Returns whether a checkpoint was loaded."""
+    if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':
+        load_pretrained(model, init_cfg)
+        return True
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif conv_fan_out and isinstance(m, nn.Conv2d):
+            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+            nn.init.normal_(m.weight, 0, (2.0 / fan_out)**0.5)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    return False
+
+
 def merge_stage_cfgs(defaults: Union[dict, Sequence[dict]], user, num_stages: int,
                      name: str = 'attn_cfg') -> List[dict]:
     """Per-stage attention configs: ``user`` (one dict or one per stage) over ``defaults``.
@@ -205,19 +230,8 @@ class DoublingStageBackbone(BaseModule):
 
     # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:
-        """Swin-style initialisation (truncated-normal linears, unit LayerNorms), or the
-        ``Pretrained`` checkpoint of ``init_cfg`` (wrong family / variant refused)."""
-        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            load_pretrained(self, self.init_cfg)
-            return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        """Swin-style initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
+        init_weights_or_load(self, self.init_cfg)
 
     def _freeze_stages(self) -> None:
         if self.frozen_stages >= 0:

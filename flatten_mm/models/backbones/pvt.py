@@ -23,10 +23,9 @@ from mmengine.model.weight_init import trunc_normal_
 from timm.layers import DropPath
 
 from ...registry import MODELS
-from ...utils.pretrained import load_pretrained
 from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
-from .base import (check_frozen_stages, check_input, check_out_indices, expand_per_stage,
-                   freeze, resolve_arch)
+from .base import (check_frozen_stages, check_input, check_out_indices, freeze,
+                   init_weights_or_load, merge_stage_cfgs, resolve_arch)
 
 FLA = dict(type='FocusedLinearAttention', sr_ratio=1, focusing_factor=3, kernel_size=5)
 
@@ -133,7 +132,7 @@ class PyramidVisionBackbone(BaseModule):
         self.out_indices = check_out_indices(out_indices, self.num_stages, name)
         self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
         self.with_cp = with_cp
-        self.attn_cfgs = self._stage_attn_cfgs(attn_cfg)
+        self.attn_cfgs = merge_stage_cfgs(self.default_attn_cfg, attn_cfg, self.num_stages)
 
         if isinstance(pretrain_img_size, int):
             pretrain_img_size = (pretrain_img_size, pretrain_img_size)
@@ -171,41 +170,12 @@ class PyramidVisionBackbone(BaseModule):
         """Stride (w.r.t. the input) of each returned map."""
         return tuple(4 * 2**i for i in self.out_indices)
 
-    # ------------------------------------------------------------------ build helpers
-    def _stage_attn_cfgs(self, attn_cfg) -> List[dict]:
-        defaults = expand_per_stage(self.default_attn_cfg, self.num_stages, 'default_attn_cfg')
-        if attn_cfg is None:
-            return defaults
-        user = expand_per_stage(attn_cfg, self.num_stages, 'attn_cfg')
-        cfgs = []
-        for d, u in zip(defaults, user):
-            u = dict(u)
-            if 'type' in u:  # a different operator: take the user's config as is
-                cfgs.append(u)
-            else:  # same operator, some arguments changed
-                d.update(u)
-                cfgs.append(d)
-        return cfgs
-
+    # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:
-        """PVTv2 initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
-        if self.init_cfg is not None and (
-                (isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained')):
-            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
+        """PVTv2 initialisation (fan-out convs, truncated-normal position tables), or the
+        ``Pretrained`` checkpoint of ``init_cfg``."""
+        if init_weights_or_load(self, self.init_cfg, conv_fan_out=True):
             return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Conv2d):
-                fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
-                nn.init.normal_(m.weight, 0, (2.0 / fan_out)**0.5)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
         for stage in self.stages:
             if stage.pos_embed is not None:
                 trunc_normal_(stage.pos_embed, std=.02)

@@ -17,14 +17,12 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 from mmengine.model import BaseModule
-from mmengine.model.weight_init import trunc_normal_
 from timm.layers import DropPath
 
 from ...registry import MODELS
-from ...utils.pretrained import load_pretrained
 from ..layers import (LPI, ConvPatchEmbed, FourierPositionalEncoding, PVTMlp, build_attention,
                       nlc_to_nchw)
-from .base import check_frozen_stages, check_input, freeze, resolve_arch
+from .base import check_frozen_stages, check_input, freeze, init_weights_or_load, resolve_arch
 
 SIMA = dict(type='SimAAttention')
 
@@ -323,17 +321,7 @@ class SimAXCiT(BaseModule):
 
     def init_weights(self) -> None:
         """XCiT initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
-        if isinstance(self.init_cfg, dict) and self.init_cfg.get('type') == 'Pretrained':
-            load_pretrained(self, self.init_cfg)  # refuses wrong family / variant
-            return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_weights_or_load(self, self.init_cfg)
 
     def _freeze_stages(self) -> None:
         if self.frozen_stages >= 0:
