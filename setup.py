@@ -25,6 +25,8 @@ setup(
     if osp.exists(osp.join(osp.dirname(__file__), 'README.md')) else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['flatten_mm', 'flatten_mm.*']),
+    # C++ source of the optional CPU kernels, compiled on first use (cpu_kernels.py)
+    package_data={'flatten_mm.models.layers': ['csrc/*.cpp']},
     python_requires='>=3.9',
     install_requires=[
         'torch>=2.0',

@@ -93,4 +93,13 @@ import flatten_mm
 print(f'torch {torch.__version__} | mmcv {mmcv.__version__} (ops ok) | mmengine {mmengine.__version__} | '
       f'mmdet {mmdet.__version__} | mmseg {mmseg.__version__} | timm {timm.__version__} | flatten_mm {flatten_mm.__version__}')
 PYEOF
+log "building the fused QuadTree CPU kernel (once per machine and torch version)"
+"$VPY" - <<'PYEOF' || log "(the kernel is optional: the pure-PyTorch path is used without it)"
+import warnings
+from flatten_mm.models.layers import cpu_kernels
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    cpu_kernels.quadtree_level_kernel()
+print('flatten_mm CPU kernels:', cpu_kernels.status())
+PYEOF
 log "done: activate with 'source $VENV/bin/activate'"

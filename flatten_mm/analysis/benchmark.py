@@ -687,7 +687,8 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
         ``'ERROR ...'`` string.
     """
     from flatten_mm.models.layers import (FocusedLinearAttention, QuadTreeAttention,
-                                          ShiftedWindowAttention, nchw_to_nlc, nlc_to_nchw)
+                                          ShiftedWindowAttention, cpu_kernels, nchw_to_nlc,
+                                          nlc_to_nchw)
     from flatten_mm.models.layers.conv import token_conv
     from flatten_mm.models.layers.focused_linear_attention import (
         depthwise_conv_heads, focused_linear_core, focused_linear_core_reference)
@@ -749,6 +750,9 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
             with torch.no_grad():
                 fast = m(x, (120, 100))
             out[attn_type] = dict(no_grad_vs_grad=_rel(fast, m(x, (120, 100)).detach()))
+            if not cuda and cpu_kernels.quadtree_level_kernel() is not None:
+                with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
+                    out[attn_type]['cpu_kernel_vs_pytorch'] = _rel(fast, m(x, (120, 100)))
             if cuda:
                 with torch.no_grad():
                     out[attn_type]['device_vs_cpu'] = _rel(fast.cpu(), m.cpu()(x.cpu(),
@@ -945,6 +949,9 @@ def environment() -> Dict[str, Any]:
         pass
     if torch.cuda.is_available():
         info['gpu'] = torch.cuda.get_device_name(0)
+    from flatten_mm.models.layers import cpu_kernels
+    cpu_kernels.quadtree_level_kernel()  # built here, not inside a timed call
+    info['cpu_kernels'] = cpu_kernels.status()
     return info
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..converters import CONVERTERS
 from ..models.backbones.quadtree_pvt import QuadTreePVTv2
-from ..models.layers import QuadTreeAttention
+from ..models.layers import QuadTreeAttention, cpu_kernels
 from .core import FixtureAdapter, StageResult, compare_tensors, register_adapter
 from .flatten_pvt import check_norm_layer
 
@@ -99,10 +99,16 @@ class QuadTreeAdapter(FixtureAdapter):
                         lambda level, margin, i=i: self._margins[i].append(margin)
                     hooked.append(block.attn)
         try:
-            return model(x)
+            outputs = model(x)  # the pure-PyTorch path (the only one reporting margins)
         finally:
             for attn in hooked:
                 attn.margin_recorder = None
+        if hooked and x.device.type == 'cpu' and not torch.is_grad_enabled() \
+                and cpu_kernels.quadtree_level_kernel() is not None:
+            # what users get on CPU: the fused kernel; the margins above still describe
+            # its selections (same scores up to rounding)
+            outputs = model(x)
+        return outputs
 
     def compare(self, fx: Mapping[str, Any], outputs: Sequence[torch.Tensor]) -> List[StageResult]:
         refs = fx['stage_outputs']

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .conv import tokens_as_map
 
 #: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
@@ -372,7 +373,12 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             if attn_type == 'B' and lepes is not None:
                 init = lepe(i).contiguous()
                 lepe_added.add(i)
-            msg, prev_idx, prev_score = _finer_level_inference(
+            level = _finer_level_inference
+            if k.device.type == 'cpu' and margin_recorder is None:
+                kernel = cpu_kernels.quadtree_level_kernel()
+                if kernel is not None:
+                    level = functools.partial(_finer_level_cpu_kernel, kernel)
+            msg, prev_idx, prev_score = level(
                 queries[i].float(), k, v, prev_idx, prev_score, h, temp, attn_type,
                 None if final else topks[i], margin_recorder, i, init)
             messages.append(msg)
@@ -546,6 +552,34 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         else:
             msg_rows[:, :, r0:r1] += out
     return msg, next_idx, next_score
+
+
+def _finer_level_cpu_kernel(kernel: Callable, q_map: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, prev_idx: torch.Tensor,
+                            prev_score: Optional[torch.Tensor], h: int, temp: float,
+                            attn_type: str, topk: Optional[int],
+                            margin_recorder: Optional[MarginRecorder], level: int,
+                            init: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                       Optional[torch.Tensor]]:
+    """``_finer_level_inference`` by the fused CPU kernel (``cpu_kernels``): same arguments
+    and results (up to float rounding and the order of the selected keys; no margins)."""
+    B, C, hi, wi = q_map.shape
+    d = C // h
+    M = hi * wi
+    Kp = prev_idx.shape[-1]
+    q = _to_heads(q_map, h).reshape(B * h, M, d).contiguous()
+    msg = (q_map.new_zeros(B, h, M, d) if init is None else init).view(B * h, M, d)
+    type_a = attn_type == 'A'
+    scores = prev_score.reshape(B * h, M // 4, Kp).contiguous() if type_a else None
+    next_idx, next_score = kernel(q, k.reshape(B * h, M, d).contiguous(),
+                                  v.reshape(B * h, M, d).contiguous(),
+                                  prev_idx.reshape(B * h, M // 4, Kp).contiguous(), scores,
+                                  msg, wi, temp, topk or 0, type_a)
+    if topk is None:
+        return msg.view(B, h, M, d), None, None
+    return (msg.view(B, h, M, d), next_idx.view(B, h, M, topk),
+            next_score.view(B, h, M, topk) if type_a else None)
 
 
 # --------------------------------------------------------------------------- module

@@ -1,0 +1,203 @@
+"""The fused QuadTree CPU kernel (``cpu_kernels`` + ``csrc/quadtree_cpu.cpp``) against the
+pure-PyTorch inference path it replaces: messages, selected keys (A: and their weights),
+both variants, every head-width code path (AVX2 for d = 16/32/64, generic otherwise),
+batches, heads, odd and non-square maps; ties, NaN, the switch and the build fallback.
+
+The kernel is built on first use; in CI (``FLATTEN_MM_REQUIRE_CPU_KERNELS=1``) a failed
+build is an error, elsewhere these tests are skipped with the build error as the reason."""
+import os
+import warnings
+
+import pytest
+import torch
+
+from flatten_mm.models.layers import QuadTreeAttention, cpu_kernels
+from flatten_mm.models.layers.quadtree_attention import (_finer_level_cpu_kernel,
+                                                         _finer_level_inference)
+
+
+def _kernel():
+    op = cpu_kernels.quadtree_level_kernel()
+    if op is None:
+        pytest.skip(f'fused CPU kernel: {cpu_kernels.status()}')
+    return op
+
+
+def _level_inputs(B, h, d, hw, Kp, gen, attn_type):
+    """Random level inputs with valid parent selections (distinct parents per query)."""
+    H, W = hw
+    M, Mp = H * W, (H // 2) * (W // 2)
+    q_map = torch.randn(B, h * d, H, W, generator=gen)
+    k, v = (torch.randn(B, h, M, d, generator=gen) for _ in range(2))
+    prev_idx = torch.rand(B, h, Mp, Mp, generator=gen).argsort(-1)[..., :Kp].contiguous()
+    prev_score = torch.rand(B, h, Mp, Kp, generator=gen) if attn_type == 'A' else None
+    return q_map, k, v, prev_idx, prev_score
+
+
+# (attn_type, B, heads, d, (H, W), Kp, topk): d 16/32/64 take the AVX2 code, 8/24/33 the
+# generic loops; topk None = the final level
+LEVEL_CASES = [
+    ('B', 1, 1, 32, (56, 56), 32, 32),
+    ('B', 2, 2, 32, (28, 20), 16, 24),
+    ('B', 1, 3, 64, (16, 12), 8, 8),
+    ('B', 2, 1, 16, (12, 18), 5, None),
+    ('B', 1, 2, 8, (10, 14), 7, 20),
+    ('B', 2, 1, 33, (8, 8), 4, 16),
+    ('B', 1, 2, 24, (6, 10), 15, 60),  # topk = all candidates
+    ('A', 1, 1, 32, (56, 56), 32, 32),
+    ('A', 2, 2, 16, (20, 12), 6, 12),
+    ('A', 1, 3, 33, (8, 12), 4, None),
+    ('A', 2, 1, 64, (12, 8), 3, 5),
+]
+
+
+@pytest.mark.parametrize('attn_type,B,h,d,hw,Kp,topk', LEVEL_CASES)
+@pytest.mark.parametrize('with_init', [False, True])
+def test_level_matches_pytorch_path(attn_type, B, h, d, hw, Kp, topk, with_init):
+    op = _kernel()
+    gen = torch.Generator().manual_seed(B * 1000 + d * 10 + Kp)
+    q_map, k, v, prev_idx, prev_score = _level_inputs(B, h, d, hw, Kp, gen, attn_type)
+    M = hw[0] * hw[1]
+    init = torch.randn(B, h, M, d, generator=gen) if with_init else None
+    temp = d**-0.5
+    args = (q_map, k, v, prev_idx, prev_score, h, temp, attn_type, topk, None, 1)
+    ref_msg, ref_idx, ref_score = _finer_level_inference(
+        *args, None if init is None else init.clone())
+    msg, idx, score = _finer_level_cpu_kernel(op, *args, None if init is None else init.clone())
+    torch.testing.assert_close(msg, ref_msg, atol=2e-6, rtol=1e-5)
+    if topk is None:
+        assert idx is None and ref_idx is None
+        return
+    assert idx.shape == ref_idx.shape == (B, h, M, topk)
+    # the same keys are passed on (in no particular order)
+    order, ref_order = idx.argsort(-1), ref_idx.argsort(-1)
+    assert torch.equal(idx.gather(-1, order), ref_idx.gather(-1, ref_order))
+    if attn_type == 'A':
+        torch.testing.assert_close(score.gather(-1, order), ref_score.gather(-1, ref_order),
+                                   atol=1e-7, rtol=1e-5)
+    else:
+        assert score is None and ref_score is None
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+@pytest.mark.parametrize('dims,heads,levels,topk,hw', [
+    (64, 2, 4, 8, (64, 48)),
+    (32, 1, 3, 32, (56, 56)),
+    (96, 3, 3, (6, 12), (41, 70)),  # padded to multiples of 4
+    (66, 2, 2, 4, (30, 18)),  # d = 33
+])
+def test_module_matches_pytorch_path(attn_type, dims, heads, levels, topk, hw):
+    _kernel()
+    torch.manual_seed(0)
+    m = QuadTreeAttention(dims, heads, attn_type=attn_type, num_levels=levels, topk=topk).eval()
+    x = torch.randn(2, hw[0] * hw[1], dims)
+    with torch.no_grad():
+        with cpu_kernels.use_cpu_kernels(False):
+            ref = m(x, hw)
+        out = m(x, hw)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_is_used_for_cpu_inference_only(monkeypatch):
+    _kernel()
+    calls = []
+    real = cpu_kernels.quadtree_level_kernel
+
+    def spy():
+        op = real()
+        return None if op is None else (lambda *a: calls.append(1) or op(*a))
+
+    monkeypatch.setattr(cpu_kernels, 'quadtree_level_kernel', spy)
+    m = QuadTreeAttention(16, 2, num_levels=3, topk=4)
+    x = torch.randn(1, 16 * 16, 16)
+    m(x, (16, 16)).sum().backward()  # autograd: the batched path with custom backward
+    assert not calls
+    with torch.no_grad():
+        m(x, (16, 16))
+    assert len(calls) == 2  # the two finer levels
+    with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
+        m(x, (16, 16))
+    assert len(calls) == 2
+
+
+def test_ties_take_the_lowest_candidates():
+    """All scores equal: the kernel passes on the first ``topk`` candidates (children of
+    the selected parents in order), deterministically."""
+    op = _kernel()
+    H = W = 8
+    d, Kp, topk = 32, 4, 6
+    q_map = torch.zeros(1, d, H, W)
+    k = v = torch.randn(1, 1, H * W, d)
+    prev_idx = torch.tensor([3, 0, 9, 14]).expand(1, 1, 16, Kp).contiguous()
+    _, idx, _ = _finer_level_cpu_kernel(op, q_map, k, v, prev_idx, None, 1, 1.0, 'B', topk,
+                                        None, 1)
+    # children of parent 3 (row 0, col 3 of the 4x4 parent grid) come first: 6, 7, 14, 15
+    expected = torch.tensor([6, 7, 14, 15, 0, 1])
+    assert torch.equal(idx.sort(-1).values[0, 0], expected.sort().values.expand(64, topk))
+
+
+def test_nan_query_stays_local_and_non_finite():
+    op = _kernel()
+    gen = torch.Generator().manual_seed(0)
+    q_map, k, v, prev_idx, _ = _level_inputs(1, 1, 32, (16, 16), 8, gen, 'B')
+    ref_msg, _, _ = _finer_level_cpu_kernel(op, q_map, k, v, prev_idx, None, 1, 0.2, 'B', 8,
+                                            None, 1)
+    q_map[0, :, 5, 7] = float('nan')
+    msg, idx, _ = _finer_level_cpu_kernel(op, q_map, k, v, prev_idx, None, 1, 0.2, 'B', 8,
+                                          None, 1)
+    bad = 5 * 16 + 7
+    assert torch.isnan(msg[0, 0, bad]).all()
+    keep = torch.ones(256, dtype=torch.bool)
+    keep[bad] = False
+    torch.testing.assert_close(msg[0, 0, keep], ref_msg[0, 0, keep])
+    assert ((idx >= 0) & (idx < 256)).all()  # selections stay valid rows
+
+
+def test_switch_and_failed_build_fall_back(monkeypatch):
+    torch.manual_seed(0)
+    m = QuadTreeAttention(16, 2, num_levels=3, topk=4).eval()
+    x = torch.randn(1, 16 * 16, 16)
+    with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
+        ref = m(x, (16, 16))
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, '0')
+    assert cpu_kernels.quadtree_level_kernel() is None
+    assert 'disabled' in cpu_kernels.status()
+    monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+
+    # a machine without a compiler: one warning naming the reason, then the PyTorch path
+    def broken_build():
+        raise OSError('no C++ compiler found')
+
+    monkeypatch.setattr(cpu_kernels, '_build', broken_build)
+    monkeypatch.setattr(cpu_kernels, '_loaded', None)
+    monkeypatch.setattr(cpu_kernels, '_error', None)
+    monkeypatch.delenv(cpu_kernels.ENV_REQUIRE, raising=False)
+    with pytest.warns(RuntimeWarning, match='no C\\+\\+ compiler found'):
+        with torch.no_grad():
+            out = m(x, (16, 16))
+    torch.testing.assert_close(out, ref)
+    assert 'unavailable' in cpu_kernels.status()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # warned once only
+        with torch.no_grad():
+            m(x, (16, 16))
+    # where the kernel is required (CI), the failure is an error naming the reason
+    monkeypatch.setenv(cpu_kernels.ENV_REQUIRE, '1')
+    with pytest.raises(RuntimeError, match='no C\\+\\+ compiler found'):
+        cpu_kernels.quadtree_level_kernel()
+
+
+def test_bad_kernel_arguments_are_named():
+    op = _kernel()
+    q = torch.randn(1, 64, 8)
+    idx = torch.zeros(1, 16, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match='float32'):
+        op(q.double(), q.double(), q.double(), idx, None, q.double(), 8, 1.0, 0, False)
+    with pytest.raises(RuntimeError, match='prev_idx must be'):
+        op(q, q, q, idx[:, :8], None, q.clone(), 8, 1.0, 0, False)
+    with pytest.raises(RuntimeError, match='variant A needs prev_score'):
+        op(q, q, q, idx, None, q.clone(), 8, 1.0, 2, True)
+    with pytest.raises(RuntimeError, match='topk'):
+        op(q, q, q, idx, None, q.clone(), 8, 1.0, 9, False)
+    with pytest.raises(RuntimeError, match='outside the parent grid'):
+        op(q, q, q, idx + 16, None, q.clone(), 8, 1.0, 0, False)
