@@ -33,6 +33,7 @@ setup(
         'mmengine==0.10.7',
         'timm>=1.0',
         'numpy',
+        'ninja',  # torch.utils.cpp_extension builds the optional CPU kernels with it
     ],
     extras_require={
         # mmcv==2.1.0 (built with ops) and mmdet==3.3.0 (--no-deps) come from
