@@ -201,3 +201,40 @@ def test_bad_kernel_arguments_are_named():
         op(q, q, q, idx, None, q.clone(), 8, 1.0, 9, False)
     with pytest.raises(RuntimeError, match='outside the parent grid'):
         op(q, q, q, idx + 16, None, q.clone(), 8, 1.0, 0, False)
+
+
+_GENERIC_CHECK = '''
+import torch
+from flatten_mm.models.layers import QuadTreeAttention, cpu_kernels
+assert cpu_kernels._isa_flags() == []
+assert cpu_kernels.quadtree_level_kernel() is not None, cpu_kernels.status()
+worst = 0.0
+for attn_type in ('A', 'B'):
+    for dims, heads in ((64, 2), (64, 1), (66, 2)):  # d = 32 (AVX2 code elsewhere), 64, 33
+        torch.manual_seed(0)
+        m = QuadTreeAttention(dims, heads, attn_type=attn_type, num_levels=3, topk=6).eval()
+        x = torch.randn(2, 24 * 20, dims)
+        with torch.no_grad():
+            out = m(x, (24, 20))
+            with cpu_kernels.use_cpu_kernels(False):
+                ref = m(x, (24, 20))
+        worst = max(worst, float((out - ref).abs().max() / ref.abs().max()))
+print('WORST', worst)
+'''
+
+
+def test_generic_build_without_isa_extensions(tmp_path):
+    """The portable build (what a CPU without AVX2 / a non-x86 machine compiles: scalar
+    exp and dot products) gives the PyTorch path's results too. Own process and cache
+    directory: a process holds one build of the ``flatten_mm`` op library."""
+    import subprocess
+    import sys
+    _kernel()  # the compiler works here
+    env = dict(os.environ, FLATTEN_MM_CPU_ISA='generic', FLATTEN_MM_EXT_DIR=str(tmp_path),
+               FLATTEN_MM_REQUIRE_CPU_KERNELS='1')
+    env.pop(cpu_kernels.ENV_SWITCH, None)
+    res = subprocess.run([sys.executable, '-c', _GENERIC_CHECK], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    worst = float(res.stdout.split('WORST')[-1])
+    assert worst < 1e-5

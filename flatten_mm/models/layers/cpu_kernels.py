@@ -26,6 +26,8 @@ import torch
 ENV_SWITCH = 'FLATTEN_MM_CPU_KERNELS'
 #: set ``FLATTEN_MM_REQUIRE_CPU_KERNELS=1`` (CI does) to make a failed build an error
 ENV_REQUIRE = 'FLATTEN_MM_REQUIRE_CPU_KERNELS'
+#: ``generic`` builds without ISA extensions (the code paths of non-AVX2 machines)
+ENV_ISA = 'FLATTEN_MM_CPU_ISA'
 _SOURCE = osp.join(osp.dirname(osp.abspath(__file__)), 'csrc', 'quadtree_cpu.cpp')
 
 _lock = threading.Lock()
@@ -35,7 +37,10 @@ _override: Optional[bool] = None  # set by ``use_cpu_kernels``
 
 
 def _isa_flags() -> list:
-    """``-mavx2 -mfma`` where the CPU has them (x86-64), else the compiler's baseline."""
+    """``-mavx2 -mfma`` where the CPU has them (x86-64), else the compiler's baseline
+    (also with ``FLATTEN_MM_CPU_ISA=generic``: the portable loops, e.g. to test them)."""
+    if os.environ.get(ENV_ISA, '').strip().lower() == 'generic':
+        return []
     if platform.machine() in ('x86_64', 'AMD64'):
         try:
             with open('/proc/cpuinfo') as f:
