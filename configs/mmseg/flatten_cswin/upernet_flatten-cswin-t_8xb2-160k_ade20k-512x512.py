@@ -3,7 +3,7 @@
 # FLA positional encodings / FLA `scale`), 1500-iteration linear warmup (ratio 1e-6), poly
 # power 1.0, 160k iterations, batch 16 (8 GPUs x 2), FCN auxiliary head (loss 0.4) on
 # stage 3, drop path 0.2 (the ImageNet pretraining value). See README.md.
-_base_ = '../../_base_/mmseg/upernet-swin-160k_ade20k-512x512.py'
+_base_ = '../../_base_/mmseg/upernet-160k_ade20k-512x512.py'
 
 model = dict(
     backbone=dict(
@@ -17,6 +17,7 @@ model = dict(
     auxiliary_head=dict(in_channels=256))
 
 optim_wrapper = dict(paramwise_cfg=dict(custom_keys={
+    'positional_encoding': dict(decay_mult=0.),
     'branches.0.scale': dict(decay_mult=0.),
     'branches.1.scale': dict(decay_mult=0.),
 }))

@@ -4,7 +4,7 @@
 # encodings / FLA `scale`), 1500-iteration linear warmup (ratio 1e-6), poly power 1.0,
 # 160k iterations, batch 16 (8 GPUs x 2), FCN auxiliary head (loss 0.4) on stage 3,
 # drop path 0.2. See README.md.
-_base_ = '../../_base_/mmseg/upernet-swin-160k_ade20k-512x512.py'
+_base_ = '../../_base_/mmseg/upernet-160k_ade20k-512x512.py'
 
 model = dict(
     backbone=dict(
@@ -18,6 +18,7 @@ model = dict(
     auxiliary_head=dict(in_channels=384))
 
 optim_wrapper = dict(paramwise_cfg=dict(custom_keys={
+    'positional_encoding': dict(decay_mult=0.),
     'relative_position_bias_table': dict(decay_mult=0.),
     'attn.scale': dict(decay_mult=0.),
 }))

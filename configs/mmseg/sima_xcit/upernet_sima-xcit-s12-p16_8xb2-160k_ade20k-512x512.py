@@ -4,19 +4,9 @@
 # iterations, 8 GPUs x 2 images, FCN auxiliary head on the stride-16 map. SimA's own
 # ADE20K recipe is unverified (see README.md). XCiT used SyncBN in the backbone:
 # `--cfg-options model.backbone.norm_cfg.type=SyncBN` for multi-GPU runs.
-_base_ = [
-    'mmseg::_base_/models/upernet_r50.py',
-    'mmseg::_base_/datasets/ade20k.py',
-    'mmseg::_base_/default_runtime.py',
-    'mmseg::_base_/schedules/schedule_160k.py',
-]
-custom_imports = dict(imports=['flatten_mm.models'], allow_failed_imports=False)
+_base_ = '../../_base_/mmseg/upernet-160k_ade20k-512x512.py'
 
-crop_size = (512, 512)
-data_preprocessor = dict(size=crop_size)
 model = dict(
-    data_preprocessor=data_preprocessor,
-    pretrained=None,
     backbone=dict(
         _delete_=True,
         type='flatten_mm.SimAXCiT',
@@ -26,20 +16,5 @@ model = dict(
         out_indices=(3, 5, 7, 11),
         norm_cfg=dict(type='BN', requires_grad=True),
         init_cfg=dict(type='Pretrained', checkpoint='checkpoints/sima-xcit-s12-p16_in1k.pth')),
-    decode_head=dict(in_channels=[384, 384, 384, 384], num_classes=150),
-    auxiliary_head=dict(in_channels=384, num_classes=150))
-
-optim_wrapper = dict(
-    _delete_=True,
-    type='OptimWrapper',
-    optimizer=dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01),
-    clip_grad=None,
-    paramwise_cfg=dict(custom_keys={'norm': dict(decay_mult=0.)}))
-param_scheduler = [
-    dict(type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0, end=1500),
-    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=1500, end=160000, by_epoch=False)
-]
-
-train_dataloader = dict(batch_size=2)
-val_dataloader = dict(batch_size=1)
-test_dataloader = val_dataloader
+    decode_head=dict(in_channels=[384, 384, 384, 384]),
+    auxiliary_head=dict(in_channels=384))
