@@ -139,7 +139,23 @@ def check_input(x: torch.Tensor, in_channels: int, owner: str,
                          f'got {x.shape[2]}x{x.shape[3]}')
 
 
-class DoublingStageBackbone(BaseModule):
+class StridePyramidOutputs:
+    """Output contract of the four-stage pyramids (PVT, Swin, CSwin): stage ``i`` returns
+    ``embed_dims[i]`` channels at stride ``4 * 2**i``; needs ``embed_dims`` and
+    ``out_indices`` attributes."""
+
+    @property
+    def out_channels(self) -> Tuple[int, ...]:
+        """Channels of each returned map."""
+        return tuple(self.embed_dims[i] for i in self.out_indices)
+
+    @property
+    def out_strides(self) -> Tuple[int, ...]:
+        """Stride (w.r.t. the input) of each returned map."""
+        return tuple(4 * 2**i for i in self.out_indices)
+
+
+class DoublingStageBackbone(StridePyramidOutputs, BaseModule):
     """Plumbing shared by the four-stage backbones whose stage widths double
     (``C, 2C, 4C, 8C``; strides 4, 8, 16, 32) and whose dense outputs pass through new
     LayerNorms (FLatten-Swin, FLatten-CSwin): arch tables with optional geometry keys,
@@ -214,16 +230,6 @@ class DoublingStageBackbone(BaseModule):
             self.add_module(self.norm_name(i), nn.LayerNorm(self.embed_dims[i]))
 
     # ------------------------------------------------------------------ contract
-    @property
-    def out_channels(self) -> Tuple[int, ...]:
-        """Channels of each returned map."""
-        return tuple(self.embed_dims[i] for i in self.out_indices)
-
-    @property
-    def out_strides(self) -> Tuple[int, ...]:
-        """Stride (w.r.t. the input) of each returned map."""
-        return tuple(4 * 2**i for i in self.out_indices)
-
     def min_input_size(self) -> Tuple[int, int]:
         """Smallest input ``(H, W)`` accepted: ``(1, 1)``, any size is padded."""
         return 1, 1

@@ -24,8 +24,8 @@ from timm.layers import DropPath
 
 from ...registry import MODELS
 from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
-from .base import (check_frozen_stages, check_input, check_out_indices, freeze,
-                   init_weights_or_load, merge_stage_cfgs, resolve_arch)
+from .base import (StridePyramidOutputs, check_frozen_stages, check_input, check_out_indices,
+                   freeze, init_weights_or_load, merge_stage_cfgs, resolve_arch)
 
 FLA = dict(type='FocusedLinearAttention', sr_ratio=1, focusing_factor=3, kernel_size=5)
 
@@ -86,7 +86,7 @@ class PVTStage(nn.Module):
         self.norm = norm
 
 
-class PyramidVisionBackbone(BaseModule):
+class PyramidVisionBackbone(StridePyramidOutputs, BaseModule):
     """PVT / PVTv2 skeleton producing NCHW maps at strides 4, 8, 16, 32.
 
     Subclasses set ``arch_zoo`` and the class attributes below; see
@@ -158,17 +158,6 @@ class PyramidVisionBackbone(BaseModule):
             cur += depths[i]
             prev_dims = embed_dims[i]
         self._freeze_stages()
-
-    # ------------------------------------------------------------------ contract
-    @property
-    def out_channels(self) -> Tuple[int, ...]:
-        """Channels of each returned map."""
-        return tuple(self.embed_dims[i] for i in self.out_indices)
-
-    @property
-    def out_strides(self) -> Tuple[int, ...]:
-        """Stride (w.r.t. the input) of each returned map."""
-        return tuple(4 * 2**i for i in self.out_indices)
 
     # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:
