@@ -54,3 +54,16 @@ def load_key_listing(name: str):
 def official_listing():
     """Fixture form of ``load_key_listing`` (call it with the listing name)."""
     return load_key_listing
+
+
+def assert_checkpointing_matches(ref: torch.nn.Module, cp: torch.nn.Module, x: torch.Tensor):
+    """``cp`` (built with ``with_cp=True``, same weights as ``ref``) gives the same outputs
+    and the same parameter gradients as ``ref`` on ``x``."""
+    out_ref, out_cp = ref(x), cp(x)
+    for a, b in zip(out_ref, out_cp):
+        torch.testing.assert_close(a, b)
+    sum(o.sum() for o in out_cp).backward()
+    g_cp = {n: p.grad.clone() for n, p in cp.named_parameters()}
+    sum(o.sum() for o in out_ref).backward()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(p.grad, g_cp[n], rtol=1e-4, atol=1e-6)

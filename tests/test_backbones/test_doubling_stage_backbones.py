@@ -13,7 +13,7 @@ import flatten_mm.models.layers.focused_linear_attention as fla_module
 from flatten_mm.models import FLattenCSWin, FLattenSwin
 from flatten_mm.parity import find_adapter
 
-from conftest import requires_shared, shared_fixtures
+from conftest import assert_checkpointing_matches, requires_shared, shared_fixtures
 
 
 class Family(NamedTuple):
@@ -128,15 +128,7 @@ def test_with_cp_is_output_identical(fam):
     ref = perturb(build(fam, drop_path_rate=0.)).train()
     cp = build(fam, drop_path_rate=0., with_cp=True).train()
     cp.load_state_dict(ref.state_dict())
-    x = torch.randn(1, 3, 72, 56, requires_grad=True)
-    out_ref, out_cp = ref(x), cp(x)
-    for a, b in zip(out_ref, out_cp):
-        torch.testing.assert_close(a, b)
-    sum(o.sum() for o in out_cp).backward()
-    g_cp = {n: p.grad.clone() for n, p in cp.named_parameters()}
-    sum(o.sum() for o in out_ref).backward()
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(p.grad, g_cp[n], rtol=1e-4, atol=1e-6)
+    assert_checkpointing_matches(ref, cp, torch.randn(1, 3, 72, 56, requires_grad=True))
 
 
 @family_param

@@ -6,6 +6,8 @@ import torch
 
 from flatten_mm.models import FLattenPVT, FLattenPVTv2
 
+from conftest import assert_checkpointing_matches
+
 TINY = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
             mlp_ratios=(2, 2, 2, 2))
 CLASSES = [FLattenPVTv2, FLattenPVT]
@@ -50,16 +52,7 @@ def test_with_cp_is_output_identical(cls):
     ref = cls(arch=TINY, drop_path_rate=0.).train()
     cp = cls(arch=TINY, drop_path_rate=0., with_cp=True).train()
     cp.load_state_dict(ref.state_dict())
-    x = torch.randn(1, 3, 40, 56, requires_grad=True)
-    out_ref = ref(x)
-    out_cp = cp(x)
-    for a, b in zip(out_ref, out_cp):
-        torch.testing.assert_close(a, b)
-    sum(o.sum() for o in out_cp).backward()
-    g_cp = {n: p.grad.clone() for n, p in cp.named_parameters()}
-    sum(o.sum() for o in out_ref).backward()
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(p.grad, g_cp[n], rtol=1e-4, atol=1e-6)
+    assert_checkpointing_matches(ref, cp, torch.randn(1, 3, 40, 56, requires_grad=True))
 
 
 @pytest.mark.parametrize('cls', CLASSES)
