@@ -19,9 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -31,8 +29,8 @@
 namespace {
 
 // exp(x) for x <= 0 (softmax after the max subtraction); Cody-Waite range reduction and a
-// degree-6 polynomial (relative error ~2e-7, like a libm expf), written so that the
-// compiler vectorises the loops that call it.
+// degree-6 polynomial (relative error ~2e-7, like a libm expf). Scalar form: the generic
+// build and the tails; exp8_nonpositive is the AVX2 form.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
