@@ -428,8 +428,8 @@ def backbone_cases(quick: bool = False) -> Dict[str, BackboneCase]:
         'flatten-swin-t', lambda hw: FLattenSwin('t', drop_path_rate=0.), _call)
     sima_idx = (3, 5, 7, 11)
     cases['sima-xcit-s12-p16'] = BackboneCase(
-        'sima-xcit-s12-p16', lambda hw: SimAXCiT('s12', out_indices=sima_idx),
-        lambda m, x: m.forward_blocks(x, m.out_indices))
+        'sima-xcit-s12-p16', lambda hw: SimAXCiT('s12', block_indices=sima_idx),
+        lambda m, x: m.forward_blocks(x, m.block_indices))
     cases['pvt-v2-b0 (timm)'] = BackboneCase(
         'pvt-v2-b0 (timm)', lambda hw: timm.create_model('pvt_v2_b0', pretrained=False),
         _timm_intermediates(), 'timm')

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..converters import CONVERTERS
 from ..models.backbones.sima_xcit import SimAXCiT
 from ..models.layers import nlc_to_nchw
-from .core import FixtureAdapter, StageResult, compare_tensors, register_adapter
+from .core import REL_TOL, FixtureAdapter, StageResult, compare_tensors, register_adapter
 
 
 @register_adapter
@@ -38,8 +38,8 @@ class SimAXCiTAdapter(FixtureAdapter):
             raise NotImplementedError('qk_scale (unused by the official SimA attention)')
         arch = dict(embed_dims=kw.get('embed_dim', 768), depth=kw.get('depth', 12),
                     num_heads=kw.get('num_heads', 12))
-        # stage_outputs come from forward_blocks (every block); out_indices only has to
-        # be valid for any depth
+        # stage_outputs come from forward_blocks (every block); block_indices only have
+        # to be valid for any depth
         depth = arch['depth']
         return SimAXCiT(arch=arch, patch_size=kw.get('patch_size', 16),
                         in_channels=kw.get('in_chans', 3), mlp_ratio=kw.get('mlp_ratio', 4.),
@@ -48,7 +48,7 @@ class SimAXCiTAdapter(FixtureAdapter):
                         drop_path_rate=kw.get('drop_path_rate', 0.),
                         layer_scale_init_value=kw.get('eta', 1.0),
                         use_pos_embed=kw.get('use_pos', True),
-                        out_indices=(depth - 1, ) * 4)
+                        block_indices=(depth - 1, ) * 4)
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         converted, _ = CONVERTERS['sima_xcit'](fx['state_dict'])
@@ -61,10 +61,12 @@ class SimAXCiTAdapter(FixtureAdapter):
         tokens, hw = model.patch_embed(x)
         return list(blocks) + [nlc_to_nchw(tokens, hw)]
 
-    def compare(self, fx: Mapping[str, Any], outputs: Sequence[torch.Tensor]) -> List[StageResult]:
+    def compare(self, fx: Mapping[str, Any], outputs: Sequence[torch.Tensor],
+                rel_tol: float = REL_TOL) -> List[StageResult]:
         *blocks, patch_embed = outputs
-        results = super().compare(fx, blocks)
+        results = super().compare(fx, blocks, rel_tol)
         ref = fx.get('extra_outputs', {}).get('patch_embed')
         if ref is not None:
-            results.append(compare_tensors("extra_outputs['patch_embed']", patch_embed, ref))
+            results.append(compare_tensors("extra_outputs['patch_embed']", patch_embed, ref,
+                                           rel_tol))
         return results

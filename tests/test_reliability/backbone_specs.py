@@ -32,9 +32,9 @@ TINY_ARCHS: Dict[str, Dict[str, dict]] = {
                          variant=dict(arch=dict(embed_dims=16, depths=(1, 2, 2, 1),
                                                 num_heads=(2, 2, 4, 4)))),
     'SimAXCiT': dict(kwargs=dict(arch=dict(embed_dims=32, depth=3, num_heads=2),
-                                 out_indices=(0, 1, 1, 2)),
+                                 block_indices=(0, 1, 1, 2)),
                      variant=dict(arch=dict(embed_dims=48, depth=3, num_heads=2),
-                                  out_indices=(0, 1, 1, 2))),
+                                  block_indices=(0, 1, 1, 2))),
 }
 
 

@@ -36,7 +36,13 @@ NORM_LAYERS: Dict[str, type] = {
 
 def build_norm_factory(norm_cfg: dict) -> Callable[[int], nn.Module]:
     """Turn ``dict(type='BN'|'SyncBN', requires_grad=True, **kwargs)`` into a factory
-    ``channels -> norm module`` (extra keys such as ``eps``/``momentum`` are passed on)."""
+    ``channels -> norm module`` (extra keys such as ``eps``/``momentum`` are passed on).
+
+    ``'SyncBN'`` builds ``torch.nn.SyncBatchNorm`` (as mmcv's ``build_norm_layer`` does):
+    it synchronises statistics across the processes of a CUDA DDP job and, when no
+    process group is initialised (a plain single-process module), normalises with the
+    local batch statistics like ``BatchNorm2d``. mmengine's runner reverts it to BN in
+    non-distributed runs (``revert_sync_batchnorm``)."""
     cfg = dict(norm_cfg)
     if 'type' not in cfg:
         raise ValueError(f'norm_cfg needs a "type": {norm_cfg}')
@@ -106,20 +112,22 @@ class XCiTBlock(nn.Module):
         return torch.addcmul(x, self.gamma2, self.mlp(self.norm2(x), hw_shape))
 
 
-def default_out_indices(depth: int) -> Tuple[int, ...]:
-    """XCiT's choice: after blocks ``depth/3, depth/2, 2*depth/3, depth`` (1-based,
-    rounded): ``(3, 5, 7, 11)`` for 12 and ``(7, 11, 15, 23)`` for 24 blocks."""
+def default_block_indices(depth: int) -> Tuple[int, ...]:
+    """XCiT's choice of the blocks feeding ``fpn1..fpn4``: after blocks ``depth/3,
+    depth/2, 2*depth/3, depth`` (1-based, rounded): ``(3, 5, 7, 11)`` for 12 and
+    ``(7, 11, 15, 23)`` for 24 blocks (XCiT's own ``out_indices``)."""
     return tuple(max(0, round(depth * f) - 1) for f in (1 / 3, 1 / 2, 2 / 3, 1.))
 
 
 @MODELS.register_module()
 class SimAXCiT(BaseModule):
-    """SimA-XCiT dense backbone: 4 maps of ``C`` channels at strides 4, 8, 16, 32.
+    """SimA-XCiT dense backbone: up to 4 maps of ``C`` channels at strides 4, 8, 16, 32.
 
     Pipeline: ``ConvPatchEmbed`` (any ``H x W``; grid ``ceil(H / patch_size)``, no
     padding needed) -> + Fourier positional encoding of the actual grid -> blocks
-    (SimA attention, LPI, MLP) -> the token maps after blocks ``out_indices`` go through
-    ``fpn1..fpn4``:
+    (SimA attention, LPI, MLP) -> the token map after block ``block_indices[k]`` goes
+    through ``fpn{k+1}`` and gives map ``k`` (stride ``4 * 2**k``); ``out_indices``
+    selects the maps returned, like ``out_indices`` of every other backbone:
 
     * ``patch_size=16`` (tokens at stride 16): ``fpn1`` = deconv 2x2 - norm - GELU -
       deconv 2x2 (stride 4), ``fpn2`` = deconv 2x2 (8), ``fpn3`` = identity (16),
@@ -130,6 +138,14 @@ class SimAXCiT(BaseModule):
     Max-pooling uses ``ceil_mode`` and up-sampled maps are cropped, so map ``k`` is
     ``(B, C, ceil(H / s_k), ceil(W / s_k))`` for any input ``H x W`` (identical to
     XCiT's wrapper when ``H, W`` are multiples of 32, as mmdet/mmseg pad them).
+
+    Only what the selected maps need is built and run: ``fpn{k+1}`` exists only for
+    ``k`` in ``out_indices``, and the blocks after the deepest block feeding a selected
+    map are never run. Those blocks are still built (so converted classification
+    checkpoints and checkpoints of the 4-map model load with the checked ``Pretrained``
+    loader unchanged) but frozen: ``requires_grad=False`` and eval mode, so nothing
+    without a gradient is left for DDP (no ``find_unused_parameters`` needed) and the
+    optimizer never updates them.
 
     ``arch`` (name or dict with keys ``embed_dims, depth, num_heads``; the patch size is
     the separate ``patch_size`` argument or a name suffix such as ``'s12-p8'``):
@@ -162,17 +178,29 @@ class SimAXCiT(BaseModule):
         layer_scale_init_value: initial LayerScale (upstream ``eta``); ``None`` picks
             1.0 for up to 12 blocks and 1e-5 for deeper models (upstream choice).
         use_pos_embed: add the Fourier positional encoding (upstream ``use_pos``).
-        out_indices: the 4 blocks (0-based, non-decreasing; negative counts from the
-            end) whose outputs feed ``fpn1..fpn4``. ``None``: ``(3, 5, 7, 11)`` for 12,
-            ``(7, 11, 15, 23)`` for 24 blocks (see ``default_out_indices``). Blocks
-            after the deepest one listed are not run.
+        out_indices: the maps to return, increasing entries in ``0..3`` (negative
+            counts from the end): map ``k`` comes from ``fpn{k+1}`` at stride
+            ``4 * 2**k``; ``out_channels`` / ``out_strides`` follow. Default all four.
+            Entries above 3 raise ``ValueError``: XCiT's block indices (its
+            ``out_indices``, e.g. ``(3, 5, 7, 11)``) are ``block_indices`` here.
+        block_indices: the 4 blocks (0-based, non-decreasing; negative counts from the
+            end) whose outputs feed ``fpn1..fpn4`` (XCiT's ``out_indices``); ``None``:
+            ``(3, 5, 7, 11)`` for 12, ``(7, 11, 15, 23)`` for 24 blocks (see
+            ``default_block_indices``). Entries of maps not in ``out_indices`` are
+            unused.
         frozen_stages: ``-1`` freezes nothing; ``0`` freezes the patch embedding and
             the positional encoding; ``k >= 1`` additionally freezes blocks
             ``0..k-1`` (parameters without gradient, norms in eval mode). The
             ``fpn`` adapters are never frozen.
-        norm_cfg: batch norm of the patch embedding, LPI and ``fpn1``; default
-            ``dict(type='BN')``, ``dict(type='SyncBN')`` for multi-GPU training as
-            upstream. Keys ``eps``, ``momentum``, ``requires_grad`` are honoured.
+        norm_cfg: batch norm of the patch embedding, LPI and ``fpn1``; ``'SyncBN'``
+            (``torch.nn.SyncBatchNorm``) or ``'BN'``; keys ``eps``, ``momentum``,
+            ``requires_grad`` are honoured. Default ``dict(type='SyncBN',
+            requires_grad=True)`` as XCiT / SimA upstream. SyncBN needs no GPU outside
+            a multi-process job: a bare module (no process group) normalises with the
+            local batch like BN, mmengine's runner reverts SyncBN to BN in
+            non-distributed runs, and ``tools/train.py`` replaces it by per-process BN
+            under ``torchrun`` on CPU (gloo), where torch's SyncBatchNorm cannot run.
+            ``dict(type='BN')`` gives per-GPU statistics.
         norm_eval: keep all batch norms in eval mode (frozen statistics) in training.
         with_cp: gradient checkpointing of every block (same outputs, less memory;
             batch-norm running statistics are updated again in the recomputation).
@@ -192,6 +220,10 @@ class SimAXCiT(BaseModule):
         **dict.fromkeys(['l24', 'large_24'], dict(embed_dims=768, depth=24, num_heads=16)),
     }
     default_attn_cfg = SIMA
+    #: ``norm_cfg`` when none is given: XCiT / SimA train with synchronised batch norm
+    default_norm_cfg = dict(type='SyncBN', requires_grad=True)
+    #: stride of map ``k`` (output of ``fpn{k+1}``)
+    map_strides = (4, 8, 16, 32)
     #: parameters that the classification checkpoints do not have
     dense_only_prefixes = ('fpn1.', 'fpn2.', 'fpn3.', 'fpn4.')
 
@@ -207,7 +239,8 @@ class SimAXCiT(BaseModule):
                  drop_path_rate: float = 0.,
                  layer_scale_init_value: Optional[float] = None,
                  use_pos_embed: bool = True,
-                 out_indices: Optional[Sequence[int]] = None,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 block_indices: Optional[Sequence[int]] = None,
                  frozen_stages: int = -1,
                  norm_cfg: Optional[dict] = None,
                  norm_eval: bool = False,
@@ -230,6 +263,9 @@ class SimAXCiT(BaseModule):
         self.patch_size = patch_size
         self.in_channels = in_channels
         self.out_indices = self._check_out_indices(out_indices)
+        self.block_indices = self._check_block_indices(block_indices)
+        #: deepest block that a returned map needs; later blocks are frozen, never run
+        self.last_block = max(self.block_indices[k] for k in self.out_indices)
         # "stage" 0 = patch embedding + positional encoding, stage k = block k-1
         self.frozen_stages = check_frozen_stages(frozen_stages, self.depth + 1, name)
         self.norm_eval = norm_eval
@@ -242,7 +278,8 @@ class SimAXCiT(BaseModule):
         if attn_cfg is not None:
             self.attn_cfg = dict(attn_cfg) if 'type' in attn_cfg else {**self.attn_cfg,
                                                                         **attn_cfg}
-        norm_layer = build_norm_factory(norm_cfg if norm_cfg is not None else dict(type='BN'))
+        self.norm_cfg = dict(norm_cfg if norm_cfg is not None else self.default_norm_cfg)
+        norm_layer = build_norm_factory(self.norm_cfg)
 
         C = self.embed_dims
         self.patch_embed = ConvPatchEmbed(in_channels, C, patch_size, norm_layer=norm_layer)
@@ -254,31 +291,36 @@ class SimAXCiT(BaseModule):
                       drop_path=drop_path_rate, layer_scale_init_value=layer_scale_init_value,
                       norm_layer=norm_layer) for _ in range(self.depth)
         ])
-        # XCiT's dense adapters (upstream names, so XCiT-dense checkpoints load by key)
-        if patch_size == 16:
-            self.fpn1 = nn.Sequential(
-                nn.ConvTranspose2d(C, C, kernel_size=2, stride=2), norm_layer(C), nn.GELU(),
-                nn.ConvTranspose2d(C, C, kernel_size=2, stride=2))
-            self.fpn2 = nn.Sequential(nn.ConvTranspose2d(C, C, kernel_size=2, stride=2))
-            self.fpn3 = nn.Identity()
-            self.fpn4 = nn.MaxPool2d(kernel_size=2, stride=2, ceil_mode=True)
-        else:
-            self.fpn1 = nn.Sequential(nn.ConvTranspose2d(C, C, kernel_size=2, stride=2))
-            self.fpn2 = nn.Identity()
-            self.fpn3 = nn.MaxPool2d(kernel_size=2, stride=2, ceil_mode=True)
-            self.fpn4 = nn.MaxPool2d(kernel_size=4, stride=4, ceil_mode=True)
+        # XCiT's dense adapters (upstream names, so XCiT-dense checkpoints load by key),
+        # only those of the returned maps
+        for k in self.out_indices:
+            self.add_module(f'fpn{k + 1}', self._build_fpn(k, C, norm_layer))
         self._freeze_stages()
+
+    def _build_fpn(self, k: int, C: int, norm_layer: Callable[[int], nn.Module]) -> nn.Module:
+        """XCiT's adapter ``fpn{k+1}``: token grid (stride ``patch_size``) -> stride
+        ``4 * 2**k``."""
+        up = lambda: nn.ConvTranspose2d(C, C, kernel_size=2, stride=2)  # noqa: E731
+        ratio = self.map_strides[k] / self.patch_size
+        if ratio == 0.25:  # patch 16 -> stride 4
+            return nn.Sequential(up(), norm_layer(C), nn.GELU(), up())
+        if ratio == 0.5:
+            return nn.Sequential(up())
+        if ratio == 1:
+            return nn.Identity()
+        return nn.MaxPool2d(kernel_size=int(ratio), stride=int(ratio), ceil_mode=True)
 
     # ------------------------------------------------------------------ contract
     @property
     def out_channels(self) -> Tuple[int, ...]:
         """Channels of each returned map (all ``embed_dims``)."""
-        return (self.embed_dims, ) * 4
+        return (self.embed_dims, ) * len(self.out_indices)
 
     @property
     def out_strides(self) -> Tuple[int, ...]:
-        """Stride (w.r.t. the input) of each returned map."""
-        return (4, 8, 16, 32)
+        """Stride (w.r.t. the input) of each returned map: ``4 * 2**k`` for ``k`` in
+        ``out_indices``."""
+        return tuple(self.map_strides[k] for k in self.out_indices)
 
     def min_input_size(self) -> Tuple[int, int]:
         """Smallest input ``(H, W)`` accepted: ``(1, 1)``, any size is padded."""
@@ -300,23 +342,46 @@ class SimAXCiT(BaseModule):
                              f'patch_size={patch_size}')
         return arch, suffix or patch_size or 16
 
-    def _check_out_indices(self, out_indices: Optional[Sequence[int]]) -> Tuple[int, ...]:
+    def _check_out_indices(self, out_indices: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+        """Map indices: increasing, in ``0..3`` (negative from the end). Entries above 3
+        are XCiT-style block indices and get an error pointing at ``block_indices``."""
         name = type(self).__name__
-        if out_indices is None:
-            return default_out_indices(self.depth)
-        if isinstance(out_indices, int) or len(out_indices) != 4:
-            raise ValueError(f'{name}: out_indices must list 4 block indices (one per '
-                             f'fpn1..fpn4 output), got {out_indices!r}')
+        if isinstance(out_indices, int):
+            out_indices = (out_indices, )
+        given = tuple(out_indices)
+        if any(i > 3 for i in given):
+            hint = (f'block_indices={given}, out_indices=(0, 1, 2, 3)' if len(given) == 4
+                    else 'block_indices=(4 block indices, one per fpn1..fpn4)')
+            raise ValueError(
+                f'{name}: out_indices {given} has entries out of range for the 4 output maps '
+                '(valid 0..3 = fpn1..fpn4 at strides 4, 8, 16, 32; out_indices select maps as '
+                'in every other backbone). XCiT block indices (XCiT\'s out_indices, e.g. '
+                f'(3, 5, 7, 11)) are set by block_indices here: use {hint}')
+        result = tuple(int(i + 4 if i < 0 else i) for i in given)
+        if not result or any(not 0 <= i <= 3 for i in result) or \
+                any(b <= a for a, b in zip(result, result[1:])):
+            raise ValueError(f'{name}: out_indices {given} must be increasing map indices in '
+                             '0..3 (fpn1..fpn4 at strides 4, 8, 16, 32; negative counts from '
+                             'the end); block indices go to block_indices')
+        return result
+
+    def _check_block_indices(self, block_indices: Optional[Sequence[int]]) -> Tuple[int, ...]:
+        name = type(self).__name__
+        if block_indices is None:
+            return default_block_indices(self.depth)
+        if isinstance(block_indices, int) or len(block_indices) != 4:
+            raise ValueError(f'{name}: block_indices must list 4 block indices (one per '
+                             f'fpn1..fpn4), got {block_indices!r}')
         result = []
-        for i in out_indices:
+        for i in block_indices:
             j = i + self.depth if i < 0 else i
             if not 0 <= j < self.depth:
-                raise ValueError(f'{name}: out_indices entry {i} is out of range for '
+                raise ValueError(f'{name}: block_indices entry {i} is out of range for '
                                  f'{self.depth} blocks (valid 0..{self.depth - 1})')
             result.append(int(j))
         if any(b < a for a, b in zip(result, result[1:])):
-            raise ValueError(f'{name}: out_indices {tuple(out_indices)} must be non-decreasing '
-                             '(deeper blocks feed the coarser maps)')
+            raise ValueError(f'{name}: block_indices {tuple(block_indices)} must be '
+                             'non-decreasing (deeper blocks feed the coarser maps)')
         return tuple(result)
 
     def init_weights(self) -> None:
@@ -330,6 +395,8 @@ class SimAXCiT(BaseModule):
                 freeze(self.pos_embeder)
         for i in range(self.frozen_stages):
             freeze(self.blocks[i])
+        for block in self.blocks[self.last_block + 1:]:  # never run: no gradient
+            freeze(block)
 
     def train(self, mode: bool = True) -> 'SimAXCiT':
         super().train(mode)
@@ -384,13 +451,13 @@ class SimAXCiT(BaseModule):
         return [maps[i] for i in wanted]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Args: x ``(B, C_in, H, W)``, any H, W. Returns 4 maps
-        ``(B, C, ceil(H / s), ceil(W / s))`` for ``s`` in ``out_strides``."""
+        """Args: x ``(B, C_in, H, W)``, any H, W. Returns one map
+        ``(B, C, ceil(H / s), ceil(W / s))`` per entry of ``out_indices``, ``s`` in
+        ``out_strides``."""
         H, W = x.shape[-2:]
-        feats = self.forward_blocks(x, self.out_indices)
+        feats = self.forward_blocks(x, [self.block_indices[k] for k in self.out_indices])
         outs = []
-        for feat, fpn, stride in zip(feats, (self.fpn1, self.fpn2, self.fpn3, self.fpn4),
-                                     self.out_strides):
-            out = fpn(feat)
+        for k, feat, stride in zip(self.out_indices, feats, self.out_strides):
+            out = getattr(self, f'fpn{k + 1}')(feat)
             outs.append(out[..., :math.ceil(H / stride), :math.ceil(W / stride)])
         return tuple(outs)
