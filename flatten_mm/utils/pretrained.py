@@ -13,6 +13,14 @@ same way (mmengine's ``CheckpointLoader``: local paths, URLs, ``prefix``), then 
   ``flatten_mm.converters`` (convert it first), or the flatten_mm backbone whose key
   layout it has.
 
+Positional tables are not a variant: a table stored for another grid -- an FLA
+``positional_encoding`` or PVT v1 ``pos_embed`` of another ``pretrain_img_size``, a Swin
+``relative_position_bias_table`` of another window (e.g. official FLatten-Swin-B-384
+weights into arch ``b``, or 224 weights into ``b-384``) -- is resized to the model's
+grid before the checks by the layer that owns it (its ``resize_loaded_tables``, the same
+code its ``_load_from_state_dict`` runs), and the log names every resized key with its
+old and new shape. Other widths, depths or heads are still refused.
+
 A partial load is an explicit choice: ``init_cfg=dict(type='Pretrained', checkpoint=...,
 strict=False)`` loads the matching part (e.g. a hybrid whose replaced attention stages
 have other keys) and logs the rest as mmengine does; a file sharing no parameter at all
@@ -147,14 +155,37 @@ def read_pretrained(init_cfg: Mapping) -> Dict[str, torch.Tensor]:
     return state_dict
 
 
+def resize_tables(module: nn.Module, state_dict: Dict[str, torch.Tensor]
+                  ) -> List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
+    """Let every submodule that owns grid-dependent tables (declared by a
+    ``resize_loaded_tables(state_dict, prefix)`` method) resize, in ``state_dict``, the
+    tables stored for another grid to its own. Returns ``(key, old shape, new shape)``
+    of each resized table; tables that are not a resize (other channels / heads) are left
+    for ``check_pretrained`` to refuse."""
+    resized = []
+    for name, sub in module.named_modules():
+        resize = getattr(sub, 'resize_loaded_tables', None)
+        if callable(resize):
+            resized += resize(state_dict, f'{name}.' if name else '')
+    return resized
+
+
 def load_pretrained(module: nn.Module, init_cfg: Mapping) -> None:
     """Load ``init_cfg=dict(type='Pretrained', checkpoint, prefix=None, map_location='cpu',
-    strict=True)`` into ``module`` after ``check_pretrained``; with ``strict=False`` the
+    strict=True)`` into ``module``: positional tables of another grid are resized
+    (``resize_tables``, logged), then ``check_pretrained``; with ``strict=False`` the
     tolerated missing / unexpected keys are logged as mmengine does."""
     from mmengine.logging import print_log
     from mmengine.runner.checkpoint import load_state_dict
     state_dict = read_pretrained(init_cfg)
-    check_pretrained(module, state_dict, source=f'pretrained checkpoint {init_cfg["checkpoint"]}',
+    path = init_cfg['checkpoint']
+    resized = resize_tables(module, state_dict)
+    check_pretrained(module, state_dict, source=f'pretrained checkpoint {path}',
                      strict=init_cfg.get('strict', True))
-    print_log(f'load {type(module).__name__} from: {init_cfg["checkpoint"]}', logger='current')
+    if resized:
+        lines = '\n'.join(f'  {key}: {tuple(old)} -> {tuple(new)}' for key, old, new in resized)
+        print_log(f'{type(module).__name__}: {len(resized)} positional tables of {path} were '
+                  f"stored for another grid and are resized to this model's:\n{lines}",
+                  logger='current')
+    print_log(f'load {type(module).__name__} from: {path}', logger='current')
     load_state_dict(module, state_dict, strict=False, logger='current')

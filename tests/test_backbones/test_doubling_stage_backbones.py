@@ -39,7 +39,7 @@ FAMILIES = {
         dict(pretrain_img_size=224, window_size=7), 'flatten_swin_*.pt'),
     'flatten-cswin': Family(
         FLattenCSWin, dict(embed_dims=8, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4)),
-        dict(pretrain_img_size=64, split_size=2), 1, (),
+        dict(pretrain_img_size=64, split_size=2), 1, ('stages.0.patch_embed', ),
         (112, 80),
         [((16, 16), (25, 9))] * 1 + [((8, 8), (13, 5))] * 2,
         dict(embed_dims=8, depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4)),
@@ -134,14 +134,20 @@ def test_with_cp_is_output_identical(fam):
 @family_param
 @pytest.mark.parametrize('frozen', [-1, 0, 2])
 def test_frozen_stages(fam, frozen):
+    """mmdet's Swin convention: the stem for frozen >= 0, stages 0..frozen-1 with their
+    output norms (exact parameter sets for every family: test_freezing_and_loading.py)."""
     model = build(fam, frozen_stages=frozen)
     model.train()
     for name in fam.stem:
-        assert {p.requires_grad for p in getattr(model, name).parameters()} == {frozen < 0}
+        stem = model.get_submodule(name)
+        assert {p.requires_grad for p in stem.parameters()} == {frozen < 0}
+        assert stem.training == (frozen < 0)
     for i, stage in enumerate(model.stages):
-        trainable = i > frozen
-        assert {p.requires_grad for p in stage.parameters()} == {trainable}
-        assert stage.training == trainable
+        trainable = i >= frozen
+        stage_params = {p for n, p in stage.named_parameters()
+                        if not (i == 0 and n.startswith('patch_embed.'))}  # CSwin's stem
+        assert {p.requires_grad for p in stage_params} == {trainable}
+        assert stage.blocks.training == trainable
         norm = output_norm(model, fam, i)
         assert {p.requires_grad for p in norm.parameters()} == {trainable}
 

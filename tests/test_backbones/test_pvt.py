@@ -57,7 +57,10 @@ def test_with_cp_is_output_identical(cls):
 
 @pytest.mark.parametrize('cls', CLASSES)
 def test_frozen_stages(cls):
-    model = cls(arch=TINY, frozen_stages=1)
+    """mmdet's convention: frozen_stages=2 freezes stages 0 and 1 (with their patch
+    embeddings); the stage-2 patch embedding trains (all families:
+    test_freezing_and_loading.py)."""
+    model = cls(arch=TINY, frozen_stages=2)
     model.train()
     for i, stage in enumerate(model.stages):
         grads = {p.requires_grad for p in stage.parameters()}
@@ -102,7 +105,7 @@ def test_padding_of_pvt_v1_patch_embed_does_not_leak():
     (dict(arch='b9'), 'valid archs: b0, b1'),
     (dict(arch=dict(embed_dims=(8, ) * 4)), 'missing'),
     (dict(out_indices=(0, 4)), 'out_indices entry 4'),
-    (dict(frozen_stages=4), 'frozen_stages'),
+    (dict(frozen_stages=5), r'frozen_stages must be in \[-1, 4\]'),
     (dict(attn_cfg=[dict()] * 3), 'attn_cfg has 3 entries'),
     (dict(attn_cfg=dict(type='NoSuchAttention')), 'unknown attention type'),
 ])

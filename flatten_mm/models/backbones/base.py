@@ -1,7 +1,8 @@
 """Shared pieces of the dense backbones: arch tables, argument checks, per-stage attention
 configs, freezing, and the plumbing of the doubling-width four-stage backbones."""
 import copy
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple, Union)
 
 import torch
 import torch.nn as nn
@@ -53,18 +54,23 @@ def check_out_indices(out_indices: Sequence[int], num_stages: int, owner: str) -
     return tuple(sorted(result))
 
 
-def check_frozen_stages(frozen_stages: int, num_stages: int, owner: str) -> int:
-    """Validate ``frozen_stages`` (-1 = nothing frozen)."""
-    if not -1 <= frozen_stages < num_stages:
-        raise ValueError(f'{owner}: frozen_stages must be in [-1, {num_stages - 1}], '
-                         f'got {frozen_stages}')
+def check_frozen_stages(frozen_stages: int, num_units: int, owner: str) -> int:
+    """Validate ``frozen_stages``: ``-1`` (nothing frozen) to ``num_units - 1``, where
+    ``num_units`` counts what can be frozen, the stem plus the stages (``k`` freezes
+    ``k + 1`` units, so ``num_units - 1`` = the number of stages freezes everything)."""
+    if not isinstance(frozen_stages, int) or not -1 <= frozen_stages < num_units:
+        raise ValueError(f'{owner}: frozen_stages must be in [-1, {num_units - 1}], '
+                         f'got {frozen_stages!r}')
     return frozen_stages
 
 
-def freeze(module: nn.Module) -> None:
-    """Put ``module`` in eval mode and stop its gradients."""
-    module.eval()
-    for p in module.parameters():
+def freeze(part: Union[nn.Module, nn.Parameter]) -> None:
+    """Stop the gradients of ``part``, a module (also put in eval mode) or a parameter."""
+    if isinstance(part, nn.Parameter):
+        part.requires_grad = False
+        return
+    part.eval()
+    for p in part.parameters():
         p.requires_grad = False
 
 
@@ -78,15 +84,45 @@ def expand_per_stage(cfg, num_stages: int, name: str) -> list:
 
 
 
-def init_weights_or_load(model: nn.Module, init_cfg, conv_fan_out: bool = False) -> bool:
-    """Initialise a backbone: the ``Pretrained`` checkpoint of ``init_cfg`` (checked, see
-    ``load_pretrained``: a wrong family / variant is refused), else the transformer
-    initialisation -- truncated-normal (std 0.02) linears with zero bias, unit
-    LayerNorm / GroupNorm and, with ``conv_fan_out``, PVT's fan-out normal convs.
-    Returns whether a checkpoint was loaded."""
-    if isinstance(init_cfg, dict) and init_cfg.get('type') == 'Pretrained':
-        load_pretrained(model, init_cfg)
-        return True
+def is_pretrained_cfg(cfg: Mapping) -> bool:
+    """Whether an init config is mmengine's ``Pretrained`` (by name or class)."""
+    from mmengine.model.weight_init import PretrainedInit
+    return cfg.get('type') == 'Pretrained' or cfg.get('type') is PretrainedInit
+
+
+def split_init_cfg(init_cfg, owner: str = 'init_cfg') -> Tuple[List[dict], List[dict]]:
+    """``init_cfg`` (``None``, one dict or a list of dicts, as mmengine's ``BaseModule``
+    takes) as ``(other_cfgs, pretrained_cfgs)`` in their original order.
+
+    Raises:
+        TypeError: ``init_cfg`` or an entry of it is not a dict.
+        ValueError: an entry without ``type``, or a ``Pretrained`` one without
+            ``checkpoint``.
+    """
+    if init_cfg is None:
+        return [], []
+    cfgs = [init_cfg] if isinstance(init_cfg, Mapping) else init_cfg
+    if not isinstance(cfgs, (list, tuple)):
+        raise TypeError(f'{owner}: init_cfg must be a dict or a list of dicts, '
+                        f'got {type(init_cfg).__name__}')
+    others, pretrained = [], []
+    for cfg in cfgs:
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f'{owner}: every init_cfg entry must be a dict, got {cfg!r}')
+        if 'type' not in cfg:
+            raise ValueError(f'{owner}: init_cfg entry without type: {dict(cfg)}')
+        if is_pretrained_cfg(cfg):
+            if not cfg.get('checkpoint'):
+                raise ValueError(f'{owner}: init_cfg Pretrained needs a checkpoint: {dict(cfg)}')
+            pretrained.append(cfg)
+        else:
+            others.append(cfg)
+    return others, pretrained
+
+
+def transformer_init(model: nn.Module, conv_fan_out: bool = False) -> None:
+    """The default initialisation: truncated-normal (std 0.02) linears with zero bias,
+    unit LayerNorm / GroupNorm and, with ``conv_fan_out``, PVT's fan-out normal convs."""
     for m in model.modules():
         if isinstance(m, nn.Linear):
             trunc_normal_(m.weight, std=.02)
@@ -100,7 +136,41 @@ def init_weights_or_load(model: nn.Module, init_cfg, conv_fan_out: bool = False)
             nn.init.normal_(m.weight, 0, (2.0 / fan_out)**0.5)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
-    return False
+
+
+def init_weights_or_load(model: nn.Module, init_cfg, conv_fan_out: bool = False,
+                         default_init: Optional[Callable[[], None]] = None) -> bool:
+    """Initialise a backbone from ``init_cfg`` the way mmengine's
+    ``BaseModule.init_weights`` orders it, with checked checkpoint loading:
+
+    1. the default initialisation (``transformer_init``, then ``default_init`` if given),
+       which stands for what mmengine modules get at construction;
+    2. every non-``Pretrained`` entry of ``init_cfg`` (a dict or a list, e.g.
+       ``dict(type='TruncNormal', layer='Linear', std=.02)``, with ``override``), in
+       order, by mmengine's ``initialize``;
+    3. every ``Pretrained`` entry, in order, last (mmengine gives it priority): loaded
+       by ``load_pretrained`` (a wrong family / variant is refused, ``prefix`` selects a
+       sub-model, positional tables of another grid are resized); its ``override``, if
+       any, is applied afterwards by mmengine as ``initialize`` does.
+
+    Returns:
+        Whether a checkpoint was loaded.
+    """
+    from mmengine.model.weight_init import _initialize_override, initialize
+    others, pretrained = split_init_cfg(init_cfg, type(model).__name__)
+    transformer_init(model, conv_fan_out)
+    if default_init is not None:
+        default_init()
+    if others:
+        initialize(model, [dict(c) for c in others])
+    for cfg in pretrained:
+        cfg = copy.deepcopy(dict(cfg))
+        override = cfg.pop('override', None)
+        load_pretrained(model, cfg)
+        if override is not None:
+            cfg.pop('layer', None)
+            _initialize_override(model, override, cfg)
+    return bool(pretrained)
 
 
 def merge_stage_cfgs(defaults: Union[dict, Sequence[dict]], user, num_stages: int,
@@ -155,15 +225,92 @@ class StridePyramidOutputs:
         return tuple(4 * 2**i for i in self.out_indices)
 
 
-class DoublingStageBackbone(StridePyramidOutputs, BaseModule):
+Part = Union[nn.Module, nn.Parameter]
+
+
+class StageFreezing:
+    """``frozen_stages`` with mmdet's convention, and the stages that are never run.
+
+    ``frozen_stages`` (as mmdet's Swin and ResNet):
+
+    * ``-1``: nothing is frozen;
+    * ``0``: the stem -- the patch embedding in front of stage 0 and what is applied to
+      its tokens before the first block (an absolute position table and its dropout);
+    * ``k >= 1``: the stem and stages ``0..k-1``, each with everything the backbone
+      groups into it (its blocks, its own patch embedding or the down-sampling that
+      follows it, its norm) and its output norm;
+    * ``num_stages``: everything.
+
+    Frozen parameters have ``requires_grad=False`` and frozen modules stay in eval mode
+    after every ``train()`` (dropout off, as mmdet's frozen ``drop_after_pos``).
+
+    Stages after the deepest of ``out_indices`` are never run (``forward`` stops there).
+    Their parameters are kept, so full checkpoints still load, and frozen the same way:
+    without this, distributed training without ``find_unused_parameters`` (mmdet's and
+    mmseg's ``tools/train.py``) would wait for gradients that never come and fail at the
+    second iteration. ``unused_parts`` lists them.
+
+    A subclass provides ``stages``, ``num_stages``, ``out_indices``, ``frozen_stages``,
+    the class attribute ``stem_names`` (dotted paths of modules or parameters; absent or
+    ``None`` ones are skipped) and optionally ``output_norm``.
+    """
+
+    #: dotted paths of the stem (modules or parameters) frozen with ``frozen_stages >= 0``
+    stem_names: Tuple[str, ...] = ()
+
+    def _part(self, path: str) -> Optional[Part]:
+        obj = self
+        for name in path.split('.'):  # ModuleList entries are attributes '0', '1'...
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return None
+        return obj
+
+    def output_norm(self, i: int) -> Optional[nn.Module]:
+        """The norm applied to the returned map of stage ``i`` outside the stage (if any)."""
+        return None
+
+    def stem_parts(self) -> List[Part]:
+        """Frozen with ``frozen_stages >= 0``."""
+        return [p for p in (self._part(n) for n in self.stem_names) if p is not None]
+
+    def stage_parts(self, i: int) -> List[Part]:
+        """Stage ``i`` and its output norm (frozen with ``frozen_stages > i``)."""
+        norm = self.output_norm(i) if i in self.out_indices else None
+        return [self.stages[i]] + ([norm] if norm is not None else [])
+
+    def unused_parts(self) -> List[Part]:
+        """What ``forward`` never runs: the stages after the deepest of ``out_indices``."""
+        return [self.stages[i] for i in range(max(self.out_indices) + 1, self.num_stages)]
+
+    def frozen_parts(self) -> List[Part]:
+        """Everything ``_freeze_stages`` freezes (``frozen_stages`` and unused stages)."""
+        parts = list(self.stem_parts()) if self.frozen_stages >= 0 else []
+        for i in range(min(self.frozen_stages, self.num_stages)):
+            parts += self.stage_parts(i)
+        return parts + self.unused_parts()
+
+    def _freeze_stages(self) -> None:
+        for part in self.frozen_parts():
+            freeze(part)
+
+    def train(self, mode: bool = True):
+        """``nn.Module.train``; frozen parts stay in eval mode."""
+        super().train(mode)
+        self._freeze_stages()
+        return self
+
+
+class DoublingStageBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
     """Plumbing shared by the four-stage backbones whose stage widths double
     (``C, 2C, 4C, 8C``; strides 4, 8, 16, 32) and whose dense outputs pass through new
     LayerNorms (FLatten-Swin, FLatten-CSwin): arch tables with optional geometry keys,
     argument checks, the output contract, Swin-style init or ``Pretrained`` loading,
     freezing, gradient checkpointing and the forward over ``iter_stages``.
 
-    A subclass sets the class attributes, calls ``_setup``, builds ``self.stages``, then
-    ``_add_output_norms`` and ``_freeze_stages``, and implements ``iter_stages``.
+    A subclass sets the class attributes (``stem_names``: see ``StageFreezing``), calls
+    ``_setup``, builds ``self.stages``, then ``_add_output_norms`` and ``_freeze_stages``,
+    and implements ``iter_stages``.
     """
 
     arch_zoo: Dict[str, dict] = {}
@@ -174,8 +321,6 @@ class DoublingStageBackbone(StridePyramidOutputs, BaseModule):
     num_stages = 4
     #: the output norm of stage ``i`` is ``norm{i + norm_offset}``
     norm_offset = 0
-    #: modules before the stages frozen with ``frozen_stages >= 0`` (e.g. a shared stem)
-    stem_names: Tuple[str, ...] = ()
 
     def _setup(self, arch: Union[str, dict], in_channels: int, attn_cfg,
                pretrain_img_size: Optional[Union[int, Tuple[int, int]]],
@@ -199,7 +344,7 @@ class DoublingStageBackbone(StridePyramidOutputs, BaseModule):
         self.arch_settings = settings
         self.embed_dims = tuple(C * 2**i for i in range(self.num_stages))
         self.out_indices = check_out_indices(out_indices, self.num_stages, name)
-        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
+        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages + 1, name)
         self.with_cp = with_cp
         self.in_channels = in_channels
         self.attn_cfgs = merge_stage_cfgs(self.default_attn_cfg, attn_cfg, self.num_stages)
@@ -239,19 +384,9 @@ class DoublingStageBackbone(StridePyramidOutputs, BaseModule):
         """Swin-style initialisation, or the ``Pretrained`` checkpoint of ``init_cfg``."""
         init_weights_or_load(self, self.init_cfg)
 
-    def _freeze_stages(self) -> None:
-        if self.frozen_stages >= 0:
-            for name in self.stem_names:
-                freeze(getattr(self, name))
-        for i in range(self.frozen_stages + 1):
-            freeze(self.stages[i])
-            if i in self.out_indices:
-                freeze(getattr(self, self.norm_name(i)))
-
-    def train(self, mode: bool = True) -> 'DoublingStageBackbone':
-        super().train(mode)
-        self._freeze_stages()
-        return self
+    def output_norm(self, i: int) -> Optional[nn.Module]:
+        """The output norm of stage ``i`` (exists for ``i`` in ``out_indices``)."""
+        return getattr(self, self.norm_name(i), None)
 
     # ------------------------------------------------------------------ forward
     def _run_block(self, block: nn.Module, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:

@@ -129,8 +129,11 @@ class FLattenCSWin(DoublingStageBackbone):
         drop_path_rate: stochastic depth, linearly increasing over all blocks (official
             ImageNet values: 0.2 T, 0.4 S, 0.5 B, 0.7 B-384).
         out_indices: stages whose (normalised) maps are returned.
-        frozen_stages: stages ``0..frozen_stages`` (with their embeddings) and their output
-            norms are frozen (-1: nothing).
+        frozen_stages: as mmdet's Swin: ``-1`` nothing, ``0`` the stem embedding
+            (``stages[0].patch_embed``), ``k >= 1`` also stages ``0..k-1`` with their
+            embeddings and output norms, ``4`` everything (see ``base.StageFreezing``).
+            Stages after the deepest of ``out_indices`` are never run and are always
+            frozen.
         with_cp: gradient checkpointing of every block (same outputs, less memory).
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py``.
@@ -153,6 +156,8 @@ class FLattenCSWin(DoublingStageBackbone):
     #: parameters not in the official checkpoints (the new output norms)
     dense_only_prefixes = ('norm1.', 'norm2.', 'norm3.', 'norm4.')
     norm_offset = 1
+    #: frozen with ``frozen_stages >= 0``: the conv stem
+    stem_names = ('stages.0.patch_embed', )
 
     def __init__(self,
                  arch: Union[str, dict] = 't',

@@ -119,8 +119,11 @@ class FLattenSwin(DoublingStageBackbone):
         drop_path_rate: stochastic depth, linearly increasing over all blocks (official
             ImageNet values: 0.2 T, 0.3 S, 0.5 B).
         out_indices: stages whose (normalised) maps are returned.
-        frozen_stages: patch embedding, stages ``0..frozen_stages`` and their output
-            norms are frozen (-1: nothing).
+        frozen_stages: as mmdet's Swin: ``-1`` nothing, ``0`` the patch embedding
+            (and the dropout after it), ``k >= 1`` also stages ``0..k-1`` with their
+            ``PatchMerging`` and output norms, ``4`` everything (see
+            ``base.StageFreezing``). Stages after the deepest of ``out_indices`` (and
+            that stage's ``PatchMerging``) are never run and are always frozen.
         with_cp: gradient checkpointing of every block (same outputs, less memory).
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py``.
@@ -142,7 +145,8 @@ class FLattenSwin(DoublingStageBackbone):
     default_attn_cfg = (SWIN_LINEAR, SWIN_LINEAR, SWIN_SOFTMAX, SWIN_SOFTMAX)
     #: parameters not in the official checkpoints (the new output norms)
     dense_only_prefixes = ('norm0.', 'norm1.', 'norm2.', 'norm3.')
-    stem_names = ('patch_embed', )
+    #: frozen with ``frozen_stages >= 0`` (``pos_drop``: the dropout after it, if any)
+    stem_names = ('patch_embed', 'pos_drop')
 
     def __init__(self,
                  arch: Union[str, dict] = 't',
@@ -185,6 +189,13 @@ class FLattenSwin(DoublingStageBackbone):
             cur += self.depths[i]
         self._add_output_norms()  # norm0..norm3 (Swin dense convention)
         self._freeze_stages()
+
+    def unused_parts(self) -> List[nn.Module]:
+        """The stages after the deepest of ``out_indices`` and the ``PatchMerging`` after
+        that stage: never run by ``forward``."""
+        last = max(self.out_indices)
+        merge = self.stages[last].downsample
+        return ([merge] if merge is not None else []) + super().unused_parts()
 
     def iter_stages(self, x: torch.Tensor, last: Optional[int] = None
                     ) -> Iterator[Tuple[int, torch.Tensor, Tuple[int, int]]]:

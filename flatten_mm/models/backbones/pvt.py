@@ -24,8 +24,9 @@ from timm.layers import DropPath
 
 from ...registry import MODELS
 from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
-from .base import (StridePyramidOutputs, check_frozen_stages, check_input, check_out_indices,
-                   freeze, init_weights_or_load, merge_stage_cfgs, resolve_arch)
+from ..layers.pos_embed import resize_loaded_pos_table
+from .base import (StageFreezing, StridePyramidOutputs, check_frozen_stages, check_input,
+                   check_out_indices, init_weights_or_load, merge_stage_cfgs, resolve_arch)
 
 FLA = dict(type='FocusedLinearAttention', sr_ratio=1, focusing_factor=3, kernel_size=5)
 
@@ -85,8 +86,23 @@ class PVTStage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = norm
 
+    def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
+        """Resize, in ``state_dict``, a ``pos_embed`` stored for another square grid (a
+        checkpoint pretrained at another ``pretrain_img_size``) to ``pos_embed_hw``,
+        bilinearly as the run-time resize (see ``resize_loaded_pos_table``). Returns the
+        ``(key, old shape, new shape)`` of each resized table."""
+        if self.pos_embed is None:
+            return []
+        done = resize_loaded_pos_table(state_dict, prefix + 'pos_embed', self.pos_embed,
+                                       self.pos_embed_hw, 'bilinear')
+        return [done] if done else []
 
-class PyramidVisionBackbone(StridePyramidOutputs, BaseModule):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.resize_loaded_tables(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class PyramidVisionBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
     """PVT / PVTv2 skeleton producing NCHW maps at strides 4, 8, 16, 32.
 
     Subclasses set ``arch_zoo`` and the class attributes below; see
@@ -101,6 +117,9 @@ class PyramidVisionBackbone(StridePyramidOutputs, BaseModule):
     mlp_dwconv = True  # PVTv2 MLP with depth-wise conv
     stage_norm = True  # LayerNorm after every stage (PVTv2); v1 outputs are un-normalised
     num_stages = 4
+    #: frozen with ``frozen_stages >= 0``: the first patch embedding and what is applied to
+    #: its tokens before the first block (PVT v1's absolute table and its dropout)
+    stem_names = ('stages.0.patch_embed', 'stages.0.pos_embed', 'stages.0.pos_drop')
 
     def __init__(self,
                  arch: Union[str, dict] = 'b0',
@@ -130,7 +149,7 @@ class PyramidVisionBackbone(StridePyramidOutputs, BaseModule):
         self.embed_dims = embed_dims
         self.depths = depths
         self.out_indices = check_out_indices(out_indices, self.num_stages, name)
-        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages, name)
+        self.frozen_stages = check_frozen_stages(frozen_stages, self.num_stages + 1, name)
         self.with_cp = with_cp
         self.attn_cfgs = merge_stage_cfgs(self.default_attn_cfg, attn_cfg, self.num_stages)
 
@@ -162,21 +181,14 @@ class PyramidVisionBackbone(StridePyramidOutputs, BaseModule):
     # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:
         """PVTv2 initialisation (fan-out convs, truncated-normal position tables), or the
-        ``Pretrained`` checkpoint of ``init_cfg``."""
-        if init_weights_or_load(self, self.init_cfg, conv_fan_out=True):
-            return
-        for stage in self.stages:
-            if stage.pos_embed is not None:
-                trunc_normal_(stage.pos_embed, std=.02)
+        ``Pretrained`` checkpoint(s) of ``init_cfg`` (see ``base.init_weights_or_load``)."""
 
-    def _freeze_stages(self) -> None:
-        for i in range(self.frozen_stages + 1):
-            freeze(self.stages[i])
+        def pos_tables() -> None:
+            for stage in self.stages:
+                if stage.pos_embed is not None:
+                    trunc_normal_(stage.pos_embed, std=.02)
 
-    def train(self, mode: bool = True) -> 'PyramidVisionBackbone':
-        super().train(mode)
-        self._freeze_stages()
-        return self
+        init_weights_or_load(self, self.init_cfg, conv_fan_out=True, default_init=pos_tables)
 
     # ------------------------------------------------------------------ input sizes
     def _check_stage_maps(self, hw: Tuple[int, int]) -> None:
@@ -254,12 +266,12 @@ class PyramidVisionBackbone(StridePyramidOutputs, BaseModule):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Args: x ``(B, C_in, H, W)``, any H, W of at least ``min_input_size()``. Returns the
         maps of ``out_indices``, ``(B, out_channels[k], ceil(H / s), ceil(W / s))`` for
-        ``s = out_strides[k]``."""
+        ``s = out_strides[k]``. Stages after the deepest of ``out_indices`` are not run."""
         check_input(x, self.stages[0].patch_embed.proj.in_channels, type(self).__name__,
                     size_note=None)
         self.check_input_size((x.shape[2], x.shape[3]))
         outs = []
-        for i in range(self.num_stages):
+        for i in range(max(self.out_indices) + 1):
             tokens, hw = self.forward_stage(i, x)
             # the next stage takes the tokens as a channels-last map (a view, no copy);
             # returned maps are contiguous NCHW
@@ -301,8 +313,14 @@ class FLattenPVTv2(PyramidVisionBackbone):
         attn_drop_rate: attention-weight dropout (softmax stages).
         drop_path_rate: stochastic depth, linearly increasing over all blocks.
         linear: PVTv2-li mode (7x7 pooled keys, ReLU in the MLP).
-        out_indices: stages whose maps are returned (strides 4, 8, 16, 32).
-        frozen_stages: stages ``0..frozen_stages`` are frozen (-1: none).
+        out_indices: stages whose maps are returned (strides 4, 8, 16, 32); the
+            stages after the deepest one are not run (their parameters are kept and
+            frozen, so full checkpoints load).
+        frozen_stages: as mmdet's Swin / ResNet: ``-1`` nothing, ``0`` the first patch
+            embedding (with PVT v1's stage-1 position table and its dropout), ``k >= 1``
+            also stages ``0..k-1`` (each with its patch embedding, position table and
+            norm), ``4`` everything (see ``base.StageFreezing``). Stages after the
+            deepest of ``out_indices`` are never run and are always frozen.
         with_cp: gradient checkpointing of every block (same outputs, less memory).
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py``.

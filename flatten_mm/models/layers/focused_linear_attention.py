@@ -16,7 +16,6 @@ The kernel (steps ReLU ... normaliser) always runs in float32, also under autoca
 ``(Q/s)^3`` overflows fp16 and the ``1e-6`` floor underflows it (FLatten#15, #32).
 No ``N x N`` tensor is formed: cost and memory are linear in the token count.
 """
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from .conv import depthwise_conv, token_conv
 from .kv_reduction import KVReductionMixin
-from .pos_embed import PosTableCache, _is_compiling, resize_pos_table
+from .pos_embed import PosTableCache, _is_compiling, resize_loaded_pos_table, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
 
@@ -253,18 +252,20 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         #: resized positional tables per key grid (inference only, see PosTableCache)
         self.pe_cache = PosTableCache()
 
+    def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
+        """Resize, in ``state_dict``, a ``positional_encoding`` stored for another square
+        pretraining grid (e.g. a 384 fine-tuned checkpoint) to this module's
+        ``pe_hw_shape`` (bicubic, as FLatten's own 224 -> 384 loader does; see
+        ``resize_loaded_pos_table``). Called before loading (``_load_from_state_dict``,
+        and by ``flatten_mm.utils.pretrained`` before its checks). Returns the
+        ``(key, old shape, new shape)`` of each resized table."""
+        done = resize_loaded_pos_table(state_dict, prefix + 'positional_encoding',
+                                       self.positional_encoding, self.pe_hw_shape, 'bicubic')
+        return [done] if done else []
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A table stored for another pretraining grid (e.g. a 384 fine-tuned checkpoint)
-        # is resized to this module's grid at load time (bicubic, as FLatten's own
-        # 224 -> 384 loader does); the run-time resize then starts from this grid.
-        key = prefix + 'positional_encoding'
-        table = state_dict.get(key)
-        if table is not None and table.shape[1] != self.positional_encoding.shape[1] \
-                and table.shape[-1] == self.positional_encoding.shape[-1]:
-            side = math.isqrt(table.shape[1])
-            if side * side == table.shape[1]:
-                state_dict[key] = resize_pos_table(table, (side, side), self.pe_hw_shape,
-                                                   mode='bicubic')
+        # the run-time resize then starts from this module's grid
+        self.resize_loaded_tables(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
@@ -378,18 +379,17 @@ class _FocusedLinearRegion(nn.Module):
         #: resized positional tables per region grid (inference only)
         self.pe_cache = PosTableCache()
 
+    def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
+        """Resize, in ``state_dict``, a square ``positional_encoding`` of another
+        pretraining grid (e.g. 224 weights in a 384 model) bicubically to this module's
+        ``pe_hw_shape``, like FLatten's loader (see ``resize_loaded_pos_table``). Returns
+        the ``(key, old shape, new shape)`` of each resized table."""
+        done = resize_loaded_pos_table(state_dict, prefix + 'positional_encoding',
+                                       self.positional_encoding, self.pe_hw_shape, 'bicubic')
+        return [done] if done else []
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a square table of another pretraining grid (e.g. 224 weights in a 384 model) is
-        # resized bicubically to this module's grid at load time, like FLatten's loader
-        key = prefix + 'positional_encoding'
-        table = state_dict.get(key)
-        own = self.positional_encoding
-        if table is not None and table.dim() == 3 and table.shape[1] != own.shape[1] \
-                and table.shape[-1] == own.shape[-1]:
-            side = math.isqrt(table.shape[1])
-            if side * side == table.shape[1]:
-                state_dict[key] = resize_pos_table(table, (side, side), self.pe_hw_shape,
-                                                   mode='bicubic')
+        self.resize_loaded_tables(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def attend_region(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -6,7 +6,7 @@ the actual grid, so they are resized at run time; at the stored grid the table i
 as is (an exact identity, no interpolation round-off).
 """
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -97,3 +97,25 @@ class PosTableCache:
 
     def __getstate__(self) -> dict:
         return {'max_entries': self.max_entries, '_entries': {}}
+
+
+def resize_loaded_pos_table(state_dict: dict, key: str, own: torch.Tensor,
+                            dst_hw: Tuple[int, int], mode: str = 'bicubic'
+                            ) -> Optional[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
+    """Resize, in ``state_dict``, a square ``(1, S*S, C)`` table stored under ``key`` for
+    another grid to the ``dst_hw`` grid of ``own`` (the module's parameter).
+
+    Returns:
+        ``(key, old shape, new shape)`` when the entry was resized, else ``None`` (absent,
+        already the right size, another channel count or not a square grid).
+    """
+    table = state_dict.get(key)
+    if table is None or table.dim() != 3 or table.shape[1] == own.shape[1] \
+            or table.shape[-1] != own.shape[-1]:
+        return None
+    side = math.isqrt(table.shape[1])
+    if side * side != table.shape[1]:
+        return None
+    new = resize_pos_table(table, (side, side), dst_hw, mode=mode)
+    state_dict[key] = new
+    return key, tuple(table.shape), tuple(new.shape)

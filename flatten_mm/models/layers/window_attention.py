@@ -80,20 +80,30 @@ class ShiftedWindowAttention(nn.Module):
         # inference cache of bias (+ mask) per mask and dtype, see attention_bias
         self._bias_cache: dict = {}
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a bias table of another window size (e.g. 7 -> 12 for a 384 model) is resized
-        # bicubically at load time, as Swin's fine-tuning loaders do
+    def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
+        """Resize, in ``state_dict``, a ``relative_position_bias_table`` of another window
+        size (``((2w'-1)^2, h)``, e.g. 7 -> 12 for a 384 model) bicubically to this
+        module's ``((2w-1)^2, h)``, as Swin's fine-tuning loaders do. Tables with other
+        heads are left alone. Called before loading (``_load_from_state_dict``, and by
+        ``flatten_mm.utils.pretrained`` before its checks). Returns the
+        ``(key, old shape, new shape)`` of each resized table."""
         key = prefix + 'relative_position_bias_table'
         table = state_dict.get(key)
         own = self.relative_position_bias_table
-        if table is not None and table.shape != own.shape and table.dim() == 2 \
-                and table.shape[1] == own.shape[1]:
-            side = math.isqrt(table.shape[0])
-            if side * side == table.shape[0]:
-                new = 2 * self.window_size - 1
-                grid = table.t().reshape(1, -1, side, side).float()
-                grid = F.interpolate(grid, size=(new, new), mode='bicubic', align_corners=False)
-                state_dict[key] = grid.reshape(-1, new * new).t().to(table.dtype)
+        if table is None or table.shape == own.shape or table.dim() != 2 \
+                or table.shape[1] != own.shape[1]:
+            return []
+        side = math.isqrt(table.shape[0])
+        if side * side != table.shape[0]:
+            return []
+        new = 2 * self.window_size - 1
+        grid = table.t().reshape(1, -1, side, side).float()
+        grid = F.interpolate(grid, size=(new, new), mode='bicubic', align_corners=False)
+        state_dict[key] = grid.reshape(-1, new * new).t().to(table.dtype)
+        return [(key, tuple(table.shape), tuple(state_dict[key].shape))]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self.resize_loaded_tables(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def relative_position_bias(self) -> torch.Tensor:
