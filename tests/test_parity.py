@@ -2,8 +2,12 @@
 
 Every ``../shared/fixtures/*.pt`` goes through the same library path as
 ``tools/check_parity.py``; fixtures of families added later are picked up automatically.
+The bound is the CLI's default, ``REL_TOL = 1e-5`` of ``max(1, max|ref|)``: the shipped
+fixtures agree to <= 9.1e-7 of it on every output (QuadTree: every code path, see
+``test_parity_quadtree.py``).
 """
 import os.path as osp
+import re
 import subprocess
 import sys
 
@@ -12,6 +16,7 @@ import torch
 
 from conftest import REPO_ROOT, requires_shared, shared_fixtures
 from flatten_mm.parity import find_adapter, run_parity
+from flatten_mm.parity.core import REL_TOL
 
 FIXTURES = shared_fixtures('*.pt')
 
@@ -22,7 +27,10 @@ def test_fixture_parity(path):
     fx = torch.load(path, map_location='cpu', weights_only=True)
     report = run_parity(fx, name=osp.basename(path))
     print(report.format())
+    assert REL_TOL == 1e-5
     assert report.passed, report.format()
+    for s in report.stages:
+        assert s.tolerance == pytest.approx(REL_TOL * max(1., s.max_abs_ref))
 
 
 @requires_shared()
@@ -38,18 +46,55 @@ def test_parity_detects_a_wrong_weight():
 
 
 @requires_shared()
+def test_default_bound_catches_a_1e4_regression():
+    """The old bound (1e-4 of max(1, max|ref|)) let a regression 100x the shipped
+    differences pass; with the default 1e-5 a 3e-5 relative shift of one stage fails."""
+    path = osp.join(osp.dirname(FIXTURES[0]), 'flatten_pvt_v2_small.pt')
+    fx = torch.load(path, map_location='cpu', weights_only=True)
+    ref = fx['stage_outputs'][2]
+    shift = 3e-5 * max(1., float(ref.abs().max()))
+    fx['stage_outputs'] = list(fx['stage_outputs'])
+    fx['stage_outputs'][2] = ref + shift
+    report = run_parity(fx)
+    assert not report.passed and not report.stages[2].passed
+    assert report.worst.name == 'stage_outputs[2]'
+    assert report.worst.rel_diff == pytest.approx(3e-5, rel=0.05)
+    assert run_parity(fx, rel_tol=1e-4).passed  # what the old bound accepted
+    with pytest.raises(ValueError, match='rel_tol'):
+        run_parity(fx, rel_tol=0)
+
+
+@requires_shared()
 def test_check_parity_cli_exit_codes(tmp_path):
     good = osp.join(osp.dirname(FIXTURES[0]), 'flatten_pvt_v2_small.pt')
     fx = torch.load(good, map_location='cpu', weights_only=True)
-    fx['stage_outputs'] = [o + 1e-2 for o in fx['stage_outputs']]
+    fx['stage_outputs'] = list(fx['stage_outputs'])
+    fx['stage_outputs'][1] = fx['stage_outputs'][1] + 2e-4  # rel ~5e-5: 1e-5 < . < 1e-4
     bad = tmp_path / 'bad.pt'
     torch.save(fx, bad)
     cmd = [sys.executable, osp.join(REPO_ROOT, 'tools', 'check_parity.py')]
     ok = subprocess.run(cmd + [good], capture_output=True, text=True, cwd=REPO_ROOT)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert 'stage_outputs[3]' in ok.stdout and '1 passed, 0 failed' in ok.stdout
-    fail = subprocess.run(cmd + [str(bad)], capture_output=True, text=True, cwd=REPO_ROOT)
-    assert fail.returncode == 1 and 'FAIL' in fail.stdout
+    assert 'worst overall' in ok.stdout and 'tol 3.9e-05' in ok.stdout  # 1e-5 * 3.855
+    fail = subprocess.run(cmd + [good, str(bad)], capture_output=True, text=True,
+                          cwd=REPO_ROOT)
+    assert fail.returncode == 1 and 'FAIL' in fail.stdout, fail.stdout + fail.stderr
+    assert '1 passed, 1 failed' in fail.stdout
+    # the failure message names the fixture and its worst output with max abs and rel
+    msg = fail.stderr.strip().splitlines()[-1]
+    assert msg.startswith('parity check FAILED: ') and 'bad.pt' in msg
+    found = re.search(r'worst stage_outputs\[1\]: max\|diff\| (\S+), rel (\S+) \(tol', msg)
+    assert found, msg
+    max_ref = float(fx['stage_outputs'][1].abs().max()) - 2e-4
+    assert float(found[1]) == pytest.approx(2e-4, rel=0.02)
+    assert float(found[2]) == pytest.approx(2e-4 / max_ref, rel=0.02)
+    loose = subprocess.run(cmd + [str(bad), '--tol', '1e-4'], capture_output=True, text=True,
+                           cwd=REPO_ROOT)
+    assert loose.returncode == 0, loose.stdout + loose.stderr
+    bad_tol = subprocess.run(cmd + [good, '--tol', '-1'], capture_output=True, text=True,
+                             cwd=REPO_ROOT)
+    assert bad_tol.returncode == 2 and '--tol must be positive' in bad_tol.stderr
 
 
 def test_unknown_fixture_family_is_reported():

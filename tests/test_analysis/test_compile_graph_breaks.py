@@ -15,10 +15,12 @@ MODELS = {k: v for k, v in bm.tiny_backbones().items() if k != 'quadtree-a-pvt-v
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_backbone_traces_without_graph_breaks(name):
+    if not callable(getattr(dynamo, 'explain', None)):
+        # the one condition that is not a failure: this torch has no explain API
+        pytest.skip(f'torch {torch.__version__} has no torch._dynamo.explain')
     model, hw = MODELS[name]
     report = bm.compile_report(model, torch.randn(1, 3, *hw))
-    if report['error'] and 'explain' in report['error']:
-        pytest.skip(f'torch._dynamo.explain unavailable: {report["error"]}')
+    # any error (a tracing failure included) fails, whatever its message says
     assert report['error'] is None, report['error']
     assert report['graph_breaks'] == 0, report['break_reasons']
     assert report['graphs'] == 1
