@@ -75,8 +75,8 @@ def test_bad_arguments_and_inputs():
         FLattenSwin(arch=dict(embed_dims=8, depths=(1, 1, 1), num_heads=(1, 1, 1)))
     with pytest.raises(ValueError, match='out of range'):
         build(out_indices=(4, ))
-    with pytest.raises(ValueError, match='frozen_stages'):
-        build(frozen_stages=4)
+    with pytest.raises(ValueError, match=r'frozen_stages must be in \[-1, 4\]'):
+        build(frozen_stages=5)
     model = build()
     with pytest.raises(ValueError, match='3 input channels.*4'):
         model(torch.randn(1, 4, 32, 32))
