@@ -124,8 +124,12 @@ class FLattenCSWin(DoublingStageBackbone):
         split_size: stripe width of the cross-shaped stages (default from ``arch``).
         mlp_ratio: hidden/``C`` ratio of the MLPs.
         qkv_bias: bias of the qkv projections.
-        drop_rate: dropout after projections and in the MLPs.
-        attn_drop_rate: attention-weight dropout (softmax branches).
+        drop_rate: dropout in the MLPs. As in the official CSWin block there is none
+            after the attention projection (its ``proj_drop`` is never applied) and none
+            after the embeddings.
+        attn_drop_rate: attention-weight dropout of the softmax (LePE) branches; FLA
+            stages have none and do not get it (the official FLA branches ignore it).
+            Setting ``attn_drop`` in the ``attn_cfg`` of an FLA stage is an error.
         drop_path_rate: stochastic depth, linearly increasing over all blocks (official
             ImageNet values: 0.2 T, 0.4 S, 0.5 B, 0.7 B-384).
         out_indices: stages whose (normalised) maps are returned.
@@ -190,7 +194,7 @@ class FLattenCSWin(DoublingStageBackbone):
             for j in range(self.depths[i]):
                 attn = build_attention(
                     self.attn_cfgs[i], embed_dims=dims, num_heads=self.num_heads[i],
-                    qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate,
+                    qkv_bias=qkv_bias, attn_drop=attn_drop_rate,
                     split_size=self.split_size, pretrain_hw_shape=self.stage_grid(i))
                 blocks.append(PreNormBlock(dims, attn, mlp_ratio=mlp_ratio, drop_rate=drop_rate,
                                            drop_path=dpr[cur + j]))

@@ -114,8 +114,12 @@ class FLattenSwin(DoublingStageBackbone):
         window_size: window of the softmax stages (default: from ``arch``).
         mlp_ratio: hidden/``C`` ratio of the MLPs.
         qkv_bias: bias of the qkv projections.
-        drop_rate: dropout after projections and in the MLPs.
-        attn_drop_rate: attention-weight dropout (softmax stages).
+        drop_rate: dropout after the patch embedding (``pos_drop``), after the attention
+            projections and in the MLPs, as in the official Swin.
+        attn_drop_rate: attention-weight dropout of the operators that have one (the
+            shifted-window softmax stages); FLA stages have none and do not get it (the
+            official FLA modules ignore it too). Setting ``attn_drop`` in the
+            ``attn_cfg`` of an FLA stage is an error.
         drop_path_rate: stochastic depth, linearly increasing over all blocks (official
             ImageNet values: 0.2 T, 0.3 S, 0.5 B).
         out_indices: stages whose (normalised) maps are returned.
@@ -170,6 +174,7 @@ class FLattenSwin(DoublingStageBackbone):
         C = self.embed_dims[0]
 
         self.patch_embed = PVTPatchEmbed(in_channels, C, stride=4, overlap=False)
+        self.pos_drop = nn.Dropout(drop_rate)  # official Swin: dropout after the embedding
         dpr = torch.linspace(0, drop_path_rate, sum(self.depths)).tolist()
         self.stages = nn.ModuleList()
         cur = 0
@@ -204,6 +209,7 @@ class FLattenSwin(DoublingStageBackbone):
         check_input(x, self.in_channels, type(self).__name__)
         last = self.num_stages - 1 if last is None else last
         x, hw = self.patch_embed(x)
+        x = self.pos_drop(x)
         for i, stage in enumerate(self.stages):
             for block in stage.blocks:
                 x = self._run_block(block, x, hw)

@@ -116,6 +116,9 @@ class PyramidVisionBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
     use_abs_pos_embed = False  # PVT v1 per-stage absolute position tables
     mlp_dwconv = True  # PVTv2 MLP with depth-wise conv
     stage_norm = True  # LayerNorm after every stage (PVTv2); v1 outputs are un-normalised
+    #: PVTv2's ``_init_weights`` gives convs a fan-out normal init; the PVT v1 model keeps
+    #: PyTorch's default conv init (it initialises only Linear and LayerNorm)
+    conv_fan_out_init = True
     num_stages = 4
     #: frozen with ``frozen_stages >= 0``: the first patch embedding and what is applied to
     #: its tokens before the first block (PVT v1's absolute table and its dropout)
@@ -180,15 +183,18 @@ class PyramidVisionBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
 
     # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:
-        """PVTv2 initialisation (fan-out convs, truncated-normal position tables), or the
-        ``Pretrained`` checkpoint(s) of ``init_cfg`` (see ``base.init_weights_or_load``)."""
+        """The official model's initialisation (truncated-normal linears and position
+        tables, unit LayerNorms; PVTv2 also fan-out normal convs, ``conv_fan_out_init``),
+        or the ``Pretrained`` checkpoint(s) of ``init_cfg`` (see
+        ``base.init_weights_or_load``)."""
 
         def pos_tables() -> None:
             for stage in self.stages:
                 if stage.pos_embed is not None:
                     trunc_normal_(stage.pos_embed, std=.02)
 
-        init_weights_or_load(self, self.init_cfg, conv_fan_out=True, default_init=pos_tables)
+        init_weights_or_load(self, self.init_cfg, conv_fan_out=self.conv_fan_out_init,
+                             default_init=pos_tables)
 
     # ------------------------------------------------------------------ input sizes
     def _check_stage_maps(self, hw: Tuple[int, int]) -> None:
@@ -377,6 +383,7 @@ class FLattenPVT(PyramidVisionBackbone):
     use_abs_pos_embed = True
     mlp_dwconv = False
     stage_norm = False
+    conv_fan_out_init = False  # official FLatten-PVT (v1): convs keep PyTorch's init
 
     def __init__(self, arch: Union[str, dict] = 'tiny', **kwargs) -> None:
         super().__init__(arch=arch, **kwargs)

@@ -6,7 +6,7 @@ and the constructor arguments ``embed_dims, num_heads, qkv_bias, attn_drop, proj
 backbones use for their per-stage ``attn_cfg``.
 """
 import copy
-from typing import Callable, Dict, Type, Union
+from typing import Callable, Dict, Optional, Type, Union
 
 import torch.nn as nn
 
@@ -46,7 +46,9 @@ def build_attention(cfg: Union[dict, Callable], **defaults) -> nn.Module:
         cfg: ``dict(type=NAME_OR_CLASS, **kwargs)``; ``NAME`` may carry the
             ``flatten_mm.`` scope prefix. Keys in ``cfg`` override ``defaults``.
         **defaults: arguments the backbone supplies (``embed_dims``, ``num_heads``...).
-            A default is only passed when the operator's constructor accepts it.
+            A default is only passed when the operator's constructor accepts it, and
+            ``attn_drop`` only to operators with attention dropout (see
+            ``has_attention_dropout``).
     """
     import inspect
     cfg = copy.deepcopy(dict(cfg))
@@ -59,15 +61,28 @@ def build_attention(cfg: Union[dict, Callable], **defaults) -> nn.Module:
             raise KeyError(f'unknown attention type {op!r}; available: {sorted(ATTENTIONS)}')
         op = ATTENTIONS[name]
     params = inspect.signature(op.__init__).parameters
+    if 'attn_drop' in defaults and not has_attention_dropout(op, cfg):
+        # the backbone's attn_drop_rate is for operators with an attention map (as in the
+        # official models, whose FLA stages accept and ignore it); an attn_drop set in
+        # ``cfg`` itself still reaches the operator, which refuses it
+        defaults = {k: v for k, v in defaults.items() if k != 'attn_drop'}
     kwargs = {k: v for k, v in defaults.items() if k in params}
     kwargs.update(cfg)
     return op(**kwargs)
 
 
+def has_attention_dropout(op: Type[nn.Module], cfg: Optional[dict] = None) -> bool:
+    """Whether operator class ``op`` built from ``cfg`` (without ``type``) applies
+    attention-weight dropout. Operators declare it with a classmethod
+    ``has_attention_dropout(cfg)``; operators without one are assumed to have it."""
+    fn = getattr(op, 'has_attention_dropout', None)
+    return True if fn is None else bool(fn(dict(cfg or {})))
+
+
 __all__ = [
     'ATTENTIONS', 'FocusedLinearAttention', 'PVTMlp', 'PVTPatchEmbed',
     'SpatialReductionAttention', 'build_attention', 'nchw_to_nlc', 'nlc_to_nchw',
-    'register_attention', 'resize_pos_table', 'QuadTreeAttention',
+    'has_attention_dropout', 'register_attention', 'resize_pos_table', 'QuadTreeAttention',
     'SimAAttention', 'ConvPatchEmbed', 'FourierPositionalEncoding', 'LPI',
     'FocusedLinearAttentionQKV', 'FocusedLinearQKV', 'CrossShapedAttention', 'LePEAttention',
     'PreNormBlock', 'ShiftedWindowAttention'

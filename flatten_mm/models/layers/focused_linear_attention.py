@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .conv import depthwise_conv, token_conv
 from .kv_reduction import KVReductionMixin
-from .pos_embed import PosTableCache, _is_compiling, resize_loaded_pos_table, resize_pos_table
+from .pos_embed import _is_compiling, resize_loaded_pos_table, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
 
@@ -192,7 +192,8 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         num_heads: heads ``h``; the DWC is shared by all heads (``C/h`` channels).
         qkv_bias: bias of ``q`` and ``kv``.
         attn_drop: accepted for interface uniformity; must be 0 (FLA has no
-            attention matrix to drop).
+            attention matrix to drop; ``build_attention`` does not pass a backbone's
+            ``attn_drop_rate`` to FLA, as the official FLA modules ignore it).
         proj_drop: dropout after ``proj``.
         sr_ratio: spatial reduction of keys/values (strided conv + LayerNorm).
         linear: PVTv2-li reduction (adaptive 7x7 pooling, 1x1 conv, LayerNorm, GELU)
@@ -222,7 +223,9 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
-            raise NotImplementedError('FocusedLinearAttention has no attention-map dropout')
+            raise NotImplementedError(
+                f'FocusedLinearAttention has no attention-map dropout (got attn_drop={attn_drop} '
+                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators that have one")
         if sr_ratio < 1:
             raise ValueError(f'sr_ratio must be >= 1, got {sr_ratio}')
         if pe_interp_mode not in ('bilinear', 'bicubic'):
@@ -249,8 +252,12 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
             torch.zeros(1, self.pe_hw_shape[0] * self.pe_hw_shape[1], embed_dims))
         self.dwc = nn.Conv2d(self.head_dims, self.head_dims, kernel_size=kernel_size,
                              groups=self.head_dims, padding=kernel_size // 2)
-        #: resized positional tables per key grid (inference only, see PosTableCache)
-        self.pe_cache = PosTableCache()
+
+    @classmethod
+    def has_attention_dropout(cls, cfg: dict) -> bool:
+        """No attention matrix, so no attention dropout (``build_attention`` does not pass
+        a backbone's ``attn_drop_rate``)."""
+        return False
 
     def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
         """Resize, in ``state_dict``, a ``positional_encoding`` stored for another square
@@ -274,8 +281,9 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         q = self.q(x)
         x_kv, kv_hw = self.reduce_kv_input(x, hw_shape)
         k, v = self.kv(x_kv).chunk(2, dim=-1)
-        pe = self.pe_cache(self.positional_encoding, self.pe_hw_shape, kv_hw,
-                           self.pe_interp_mode)
+        # resized from the parameter in every call, never cached (see pos_embed)
+        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
+                              self.pe_interp_mode)
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
                                   k_pos=pe)
 
@@ -376,8 +384,11 @@ class _FocusedLinearRegion(nn.Module):
                              groups=self.head_dims, padding=kernel_size // 2)
         self.get_v = nn.Conv2d(embed_dims, embed_dims, kernel_size=3, padding=1,
                                groups=embed_dims) if lepe else None
-        #: resized positional tables per region grid (inference only)
-        self.pe_cache = PosTableCache()
+
+    @classmethod
+    def has_attention_dropout(cls, cfg: dict) -> bool:
+        """No attention matrix, so no attention dropout."""
+        return False
 
     def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
         """Resize, in ``state_dict``, a square ``positional_encoding`` of another
@@ -399,8 +410,9 @@ class _FocusedLinearRegion(nn.Module):
         N = q.shape[1]
         if N != hw_shape[0] * hw_shape[1]:
             raise ValueError(f'token count {N} does not match hw_shape {tuple(hw_shape)}')
-        pe = self.pe_cache(self.positional_encoding, self.pe_hw_shape, hw_shape,
-                           self.pe_interp_mode)
+        # resized from the parameter in every call, never cached (see pos_embed)
+        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
+                              self.pe_interp_mode)
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
                                   k_pos=pe)
         out = out + token_conv(self.dwc, v, hw_shape, repeat=self.num_heads).to(out.dtype)
@@ -447,7 +459,8 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
         embed_dims: channels ``C``.
         num_heads: heads ``h``.
         qkv_bias: bias of ``qkv``.
-        attn_drop: must be 0 (FLA has no attention matrix to drop).
+        attn_drop: must be 0 (FLA has no attention matrix to drop; a backbone's
+            ``attn_drop_rate`` is not passed, see ``build_attention``).
         proj_drop: dropout after ``proj``.
         window_size: ``None`` (global) or the window side.
         shift: shifted windows (odd blocks); a single window (always the case for
@@ -471,7 +484,9 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
                  pretrain_hw_shape: Tuple[int, int] = (56, 56),
                  pe_interp_mode: str = 'bilinear') -> None:
         if attn_drop != 0:
-            raise NotImplementedError('FocusedLinearAttentionQKV has no attention-map dropout')
+            raise NotImplementedError(
+                f'FocusedLinearAttentionQKV has no attention-map dropout (got attn_drop={attn_drop} '
+                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators that have one")
         if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
             raise ValueError(f'window_size must be None or a positive int, got {window_size!r}')
         region = pretrain_hw_shape if window_size is None else (window_size, window_size)

@@ -19,7 +19,8 @@ two *branches*, each attending inside regions of the map:
   ``s`` (CSWin-seg), the stripes are processed independently (padded tokens take part
   as zero keys/values) and the padding is cropped.
 
-The branches are concatenated (branch 0 first) and projected by ``proj``. A branch is a
+The branches are concatenated (branch 0 first) and projected by ``proj`` (no dropout
+after it: the official block defines ``proj_drop`` but does not apply it). A branch is a
 region operator ``forward(q, k, v, hw_shape) -> (B, N, Cm)``: ``LePEAttention``
 (softmax + LePE) or ``focused_linear_attention.FocusedLinearQKV`` (FLA + DWC + LePE).
 """
@@ -56,6 +57,11 @@ class LePEAttention(nn.Module):
         self.get_v = nn.Conv2d(embed_dims, embed_dims, kernel_size=3, padding=1,
                                groups=embed_dims)
 
+    @classmethod
+    def has_attention_dropout(cls, cfg: dict) -> bool:
+        """Dropout on the softmax weights (``attn_drop``)."""
+        return True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: q, k, v ``(B, N, Cm)`` tokens of a region with grid ``hw_shape``.
@@ -79,16 +85,22 @@ BRANCHES: Dict[str, Type[nn.Module]] = {
 }
 
 
-def build_branch(cfg: dict, **defaults) -> nn.Module:
-    """Build a region operator from ``dict(type=NAME, ...)``; ``defaults`` are passed
-    only when its constructor accepts them, keys of ``cfg`` win."""
-    cfg = copy.deepcopy(dict(cfg))
-    name = cfg.pop('type', None)
+def branch_class(cfg: dict) -> Type[nn.Module]:
+    """The region operator class named by ``cfg['type']`` (``flatten_mm.`` prefix allowed)."""
+    name = dict(cfg).get('type', None)
     if isinstance(name, str) and name.startswith('flatten_mm.'):
         name = name.split('.', 1)[1]
     if name not in BRANCHES:
         raise KeyError(f'unknown CSWin branch type {name!r}; available: {sorted(BRANCHES)}')
-    cls = BRANCHES[name]
+    return BRANCHES[name]
+
+
+def build_branch(cfg: dict, **defaults) -> nn.Module:
+    """Build a region operator from ``dict(type=NAME, ...)``; ``defaults`` are passed
+    only when its constructor accepts them, keys of ``cfg`` win."""
+    cls = branch_class(cfg)
+    cfg = copy.deepcopy(dict(cfg))
+    cfg.pop('type')
     params = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in defaults.items() if k in params}
     kwargs.update(cfg)
@@ -102,8 +114,9 @@ class CrossShapedAttention(nn.Module):
         embed_dims: channels ``C``.
         num_heads: heads ``h`` (split evenly between two branches).
         qkv_bias: bias of ``qkv``.
-        attn_drop: attention-weight dropout of softmax branches.
-        proj_drop: dropout after ``proj``.
+        attn_drop: attention-weight dropout of softmax branches; must be 0 with branches
+            that have none (FLA). There is no dropout after ``proj``: the official CSWin
+            block defines ``proj_drop`` but never applies it.
         split_size: stripe width ``s`` (two cross-shaped branches) or ``None`` (one
             branch over the whole map).
         branch_cfg: region operator of the branches, ``dict(type='LePEAttention')``
@@ -122,7 +135,6 @@ class CrossShapedAttention(nn.Module):
                  num_heads: int,
                  qkv_bias: bool = True,
                  attn_drop: float = 0.,
-                 proj_drop: float = 0.,
                  split_size: Optional[int] = None,
                  branch_cfg: Optional[dict] = None,
                  pretrain_hw_shape: Tuple[int, int] = (56, 56)) -> None:
@@ -137,15 +149,33 @@ class CrossShapedAttention(nn.Module):
         self.num_heads = num_heads
         self.split_size = split_size
         branch_cfg = dict(type='LePEAttention') if branch_cfg is None else branch_cfg
+        branch_drop = self.has_attention_dropout(dict(branch_cfg=branch_cfg))
+        if attn_drop != 0 and not branch_drop:
+            raise NotImplementedError(
+                f'CrossShapedAttention with {branch_cfg.get("type")} branches has no attention '
+                f'dropout (got attn_drop={attn_drop} in its attn_cfg); a backbone\'s '
+                'attn_drop_rate only reaches operators that have one')
         self.qkv = nn.Linear(embed_dims, 3 * embed_dims, bias=qkv_bias)
         Hp, Wp = pretrain_hw_shape
         regions = [(Hp, Wp)] if split_size is None else [(Hp, split_size), (split_size, Wp)]
         self.branches = nn.ModuleList(
             build_branch(branch_cfg, embed_dims=embed_dims // num_branches,
-                         num_heads=num_heads // num_branches, attn_drop=attn_drop,
+                         num_heads=num_heads // num_branches,
+                         **(dict(attn_drop=attn_drop) if branch_drop else {}),
                          pretrain_hw_shape=region) for region in regions)
         self.proj = nn.Linear(embed_dims, embed_dims)
-        self.proj_drop = nn.Dropout(proj_drop)
+
+    @classmethod
+    def has_attention_dropout(cls, cfg: dict) -> bool:
+        """Whether the branches of ``cfg['branch_cfg']`` (default LePE softmax) have
+        attention dropout."""
+        branch_cfg = cfg.get('branch_cfg') or dict(type='LePEAttention')
+        try:
+            branch = branch_class(branch_cfg)
+        except KeyError:
+            return True  # the unknown type is reported when the branches are built
+        fn = getattr(branch, 'has_attention_dropout', None)
+        return True if fn is None else bool(fn(dict(branch_cfg)))
 
     def stripe(self, branch: int, hw_shape: Tuple[int, int]) -> Tuple[int, int]:
         """Region ``(H_sp, W_sp)`` of ``branch`` on an ``(H, W)`` map."""
@@ -173,7 +203,7 @@ class CrossShapedAttention(nn.Module):
             out = window_reverse(branch(q, k, v, region), region, padded)
             outs.append(crop_padding(out, pads).reshape(B, N, Cb))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return self.proj_drop(self.proj(out))
+        return self.proj(out)  # no dropout here, as in the official CSWin block
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '

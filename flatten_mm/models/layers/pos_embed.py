@@ -4,6 +4,18 @@ The official FLatten / PVT code stores positional tables with the token count of
 pretraining resolution (e.g. 56x56 for stage 1 at 224). Dense prediction needs them at
 the actual grid, so they are resized at run time; at the stored grid the table is used
 as is (an exact identity, no interpolation round-off).
+
+No caching of parameter-derived tensors. The resized tables (and Swin's relative
+position bias, ``window_attention``) are recomputed from the parameter in every forward,
+so they can never be stale. An earlier per-shape cache decided freshness from the
+parameter's ``data_ptr`` and ``_version``, which writes through ``.data`` do not change
+(``p.data.copy_(q)`` in EMA hooks, ``p.data = q``, some ``load_state_dict`` paths); no
+hook sees the first of those either, so a cache keyed on anything but the values could
+serve old weights (``tests/test_backbones/test_weight_swaps.py``). Recomputing costs
+little (``docs/benchmarks/README.md``, "Positional tables"; CPU, 1 thread, batch 1,
+eval): all table work of a forward -- what a perfect cache could save -- is 0 % (224²,
+identities) to 0.44 % (1024²) of a FLatten-PVT-T / FLatten-PVTv2-b0 forward, 0.30-0.51 %
+of FLatten-Swin-T (bias + mask) and at most 0.20 % of FLatten-CSwin-T.
 """
 import math
 from typing import Optional, Tuple
@@ -45,58 +57,6 @@ def resize_pos_table(table: torch.Tensor, src_hw: Tuple[int, int],
 def _is_compiling() -> bool:
     compiler = getattr(torch, 'compiler', None)
     return bool(compiler is not None and compiler.is_compiling())
-
-
-class PosTableCache:
-    """Per-shape cache of resized positional tables, for inference.
-
-    ``resize_pos_table`` at a foreign grid interpolates the whole table in every block and
-    every forward; at dense-prediction sizes that is a large share of the positional
-    work. The cache keeps the last resized table per ``(grid, mode, device, dtype)`` and
-    reuses it while the stored table is unchanged (same storage and version counter, so
-    an optimizer step, ``load_state_dict`` or ``.to()`` invalidates it). It is bypassed
-    whenever the result must be differentiable (grad mode with a trainable table) and
-    under ``torch.compile`` (the resize is then traced like any other op). Not part of
-    the state dict.
-
-    Args:
-        max_entries: shapes kept before the cache is emptied.
-    """
-
-    def __init__(self, max_entries: int = 8) -> None:
-        self.max_entries = max_entries
-        self._entries: dict = {}
-
-    def __call__(self, table: torch.Tensor, src_hw: Tuple[int, int],
-                 dst_hw: Tuple[int, int], mode: str = 'bilinear') -> torch.Tensor:
-        """``resize_pos_table(table, src_hw, dst_hw, mode)``, cached when allowed."""
-        if tuple(src_hw) == tuple(dst_hw):
-            return table
-        if (table.requires_grad and torch.is_grad_enabled()) or _is_compiling():
-            return resize_pos_table(table, src_hw, dst_hw, mode)
-        key = (tuple(dst_hw), mode, table.device, table.dtype)
-        stamp = (table.data_ptr(), table._version, tuple(src_hw))
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
-        if len(self._entries) >= self.max_entries:
-            self._entries.clear()
-        out = resize_pos_table(table.detach(), src_hw, dst_hw, mode)
-        self._entries[key] = (stamp, out)
-        return out
-
-    def clear(self) -> None:
-        """Drop every cached table."""
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __deepcopy__(self, memo) -> 'PosTableCache':
-        return PosTableCache(self.max_entries)
-
-    def __getstate__(self) -> dict:
-        return {'max_entries': self.max_entries, '_entries': {}}
 
 
 def resize_loaded_pos_table(state_dict: dict, key: str, own: torch.Tensor,

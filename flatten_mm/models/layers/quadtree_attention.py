@@ -604,7 +604,8 @@ class QuadTreeAttention(nn.Module):
         num_heads: heads ``h``.
         qkv_bias: bias of the 1x1-conv ``q_proj``, ``k_proj``, ``v_proj``.
         attn_drop: accepted for interface uniformity; must be 0 (the official module
-            has no attention dropout).
+            has no attention dropout; ``build_attention`` does not pass a backbone's
+            ``attn_drop_rate``).
         proj_drop: dropout after ``proj``.
         attn_type: ``'B'`` (learned value pyramid, level weights, LePE; the released
             models) or ``'A'`` (avg-pooled values, score redistribution).
@@ -635,7 +636,9 @@ class QuadTreeAttention(nn.Module):
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
-            raise NotImplementedError('QuadTreeAttention has no attention-weight dropout')
+            raise NotImplementedError(
+                f'QuadTreeAttention has no attention-weight dropout (got attn_drop={attn_drop} '
+                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators that have one")
         if attn_type not in ('A', 'B'):
             raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
         if num_levels < 1:
@@ -674,6 +677,11 @@ class QuadTreeAttention(nn.Module):
             self.py_att = _LevelAttentionB(embed_dims, num_levels)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    @classmethod
+    def has_attention_dropout(cls, cfg: dict) -> bool:
+        """No attention dropout (``build_attention`` does not pass ``attn_drop_rate``)."""
+        return False
 
     @property
     def uses_topk(self) -> bool:

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .pos_embed import _is_compiling
 from .window import (crop_padding, effective_shift, pad_to_multiple, shifted_window_mask,
                      window_partition, window_reverse)
 
@@ -77,8 +76,6 @@ class ShiftedWindowAttention(nn.Module):
         self.qkv = nn.Linear(embed_dims, 3 * embed_dims, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop)
-        # inference cache of bias (+ mask) per mask and dtype, see attention_bias
-        self._bias_cache: dict = {}
 
     def resize_loaded_tables(self, state_dict: dict, prefix: str) -> list:
         """Resize, in ``state_dict``, a ``relative_position_bias_table`` of another window
@@ -145,24 +142,8 @@ class ShiftedWindowAttention(nn.Module):
         """Relative position bias ``(h, n, n)``, plus the shifted-window ``mask``
         ``(nW, n, n)`` as ``(nW, h, n, n)``, in ``dtype``.
 
-        Without autograd (inference) the result is cached per mask and dtype and reused
-        while the bias table is unchanged (same storage and version counter)."""
-        table = self.relative_position_bias_table
-        if (table.requires_grad and torch.is_grad_enabled()) or _is_compiling():
-            return self._attention_bias(mask, dtype)
-        key = (None if mask is None else tuple(mask.shape), dtype, table.device)
-        stamp = (table.data_ptr(), table._version)
-        hit = self._bias_cache.get(key)
-        # the entry holds its mask: the same (cached) mask object means the same content
-        if hit is not None and hit[0] == stamp and hit[1] is mask:
-            return hit[2]
-        if len(self._bias_cache) >= 8:
-            self._bias_cache.clear()
-        bias = self._attention_bias(mask, dtype)
-        self._bias_cache[key] = (stamp, mask, bias)
-        return bias
-
-    def _attention_bias(self, mask: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        Computed from the table in every call, never cached, so it always follows the
+        current weights (see the ``pos_embed`` module docstring)."""
         bias = self.relative_position_bias()
         if mask is not None:
             bias = bias.unsqueeze(0) + mask.unsqueeze(1)
