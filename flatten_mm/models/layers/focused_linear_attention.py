@@ -225,7 +225,7 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         if attn_drop != 0:
             raise NotImplementedError(
                 f'FocusedLinearAttention has no attention-map dropout (got attn_drop={attn_drop} '
-                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators that have one")
+                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators with one")
         if sr_ratio < 1:
             raise ValueError(f'sr_ratio must be >= 1, got {sr_ratio}')
         if pe_interp_mode not in ('bilinear', 'bicubic'):
@@ -485,8 +485,9 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
                  pe_interp_mode: str = 'bilinear') -> None:
         if attn_drop != 0:
             raise NotImplementedError(
-                f'FocusedLinearAttentionQKV has no attention-map dropout (got attn_drop={attn_drop} '
-                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators that have one")
+                'FocusedLinearAttentionQKV has no attention-map dropout '
+                f'(got attn_drop={attn_drop} '
+                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators with one")
         if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
             raise ValueError(f'window_size must be None or a positive int, got {window_size!r}')
         region = pretrain_hw_shape if window_size is None else (window_size, window_size)

@@ -638,7 +638,7 @@ class QuadTreeAttention(nn.Module):
         if attn_drop != 0:
             raise NotImplementedError(
                 f'QuadTreeAttention has no attention-weight dropout (got attn_drop={attn_drop} '
-                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators that have one")
+                "in its attn_cfg); a backbone's attn_drop_rate only reaches operators with one")
         if attn_type not in ('A', 'B'):
             raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
         if num_levels < 1:
