@@ -6,7 +6,6 @@ _base_ = '../mmseg/flatten_pvt_v2/fpn_flatten-pvt-v2-b0_4xb4-80k_ade20k-512x512.
 
 data_root = 'demo/data/ade_mini/ADEChallengeData2016'
 crop_size = (256, 256)
-scale = (512, 256)
 
 model = dict(
     data_preprocessor=dict(size=crop_size),
@@ -15,14 +14,14 @@ model = dict(
 train_pipeline = [
     dict(type='LoadImageFromFile'),
     dict(type='LoadAnnotations', reduce_zero_label=True),
-    dict(type='RandomResize', scale=scale, ratio_range=(0.75, 1.5), keep_ratio=True),
+    dict(type='RandomResize', scale=(512, 256), ratio_range=(0.75, 1.5), keep_ratio=True),
     dict(type='RandomCrop', crop_size=crop_size, cat_max_ratio=0.75),
     dict(type='RandomFlip', prob=0.5),
     dict(type='PackSegInputs')
 ]
 test_pipeline = [
     dict(type='LoadImageFromFile'),
-    dict(type='Resize', scale=scale, keep_ratio=True),
+    dict(type='Resize', scale=(512, 256), keep_ratio=True),
     dict(type='LoadAnnotations', reduce_zero_label=True),
     dict(type='PackSegInputs')
 ]

@@ -25,8 +25,8 @@ ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 ROWS = [
     ('configs/mmdet/flatten_pvt/mask-rcnn_flatten-pvt-t_fpn_1x_coco.py', (1280, 800), 244, 32,
      'Mask R-CNN'),
-    ('configs/mmdet/flatten_swin/mask-rcnn_flatten-swin-t-p4-w7_fpn_1x_coco.py', (1280, 800),
-     268, 49, 'Mask R-CNN'),
+    ('configs/mmdet/flatten_swin/mask-rcnn_flatten-swin-t-p4-w7_fpn_ms-crop-1x_coco.py',
+     (1280, 800), 268, 49, 'Mask R-CNN'),
     ('configs/mmdet/flatten_swin/cascade-mask-rcnn_flatten-swin-t-p4-w7_fpn_4conv1fc-giou_'
      'ms-crop-3x_coco.py', (1280, 800), 747, 87, 'Cascade Mask R-CNN'),
     ('configs/mmdet/flatten_swin/cascade-mask-rcnn_flatten-swin-s-p4-w7_fpn_4conv1fc-giou_'
@@ -46,8 +46,8 @@ ROWS = [
      None, None, 'RetinaNet'),
     ('configs/mmdet/quadtree_pvt_v2/mask-rcnn_quadtree-b-pvt-v2-b1_fpn_1x_coco.py', (1280, 800),
      None, None, 'Mask R-CNN'),
-    ('configs/mmdet/sima_xcit/mask-rcnn_sima-xcit-s12-p16_fpn_3x_coco.py', (1280, 800), None,
-     None, 'Mask R-CNN'),
+    ('configs/mmdet/sima_xcit/mask-rcnn_sima-xcit-s12-p16_fpn_ms-crop-3x_coco.py', (1280, 800),
+     None, None, 'Mask R-CNN'),
     ('configs/mmdet/hybrid/retinanet_pvt-v2-b1-qt12-sr34_fpn_1x_coco.py', (1280, 800), None,
      None, 'RetinaNet'),
     ('configs/mmseg/quadtree_pvt_v2/fpn_quadtree-b-pvt-v2-b1_8xb2-160k_ade20k-512x512.py',

@@ -34,3 +34,5 @@ param_scheduler = [
 train_dataloader = dict(batch_size=2)
 val_dataloader = dict(batch_size=1)
 test_dataloader = val_dataloader
+
+auto_scale_lr = dict(enable=False, base_batch_size=16)

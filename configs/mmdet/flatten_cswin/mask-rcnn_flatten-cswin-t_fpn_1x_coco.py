@@ -1,9 +1,11 @@
 # Mask R-CNN 1x, FLatten-CSwin-T backbone (global focused linear attention in stages 1-2,
 # cross-shaped 7-wide stripes in stage 3, global softmax in stage 4). No published result
-# (no FLatten-CSwin downstream numbers exist). Recipe inferred: the Swin/CSWin detection
-# protocol -- AdamW lr 1e-4, weight decay 0.05 (none on norms, FLA positional encodings
-# and FLA `scale`), batch 16 (8 GPUs x 2), 12 epochs (steps 8/11), single scale
-# 1333x800; drop path = the ImageNet pretraining value (0.2 T, 0.4 S, 0.5 B).
+# (no FLatten-CSwin downstream numbers exist; the CSWin repository has no detection
+# configs). Recipe inferred: the Swin AdamW detection settings -- lr 1e-4, weight decay
+# 0.05 (none on norms, FLA positional encodings and FLA `scale`), batch 16 (8 GPUs x 2) --
+# on mmdet's 1x schedule (12 epochs, steps 8/11) with single-scale 1333x800 training (not
+# the Swin repository's multi-scale + crop 1x pipeline); drop path = the ImageNet
+# pretraining value (0.2 T, 0.4 S, 0.5 B). Not tuned.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     'mmdet::_base_/datasets/coco_instance.py',

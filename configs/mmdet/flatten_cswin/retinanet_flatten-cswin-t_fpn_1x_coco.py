@@ -1,7 +1,10 @@
-# RetinaNet 1x, FLatten-CSwin-T backbone. No published result. Recipe inferred as the
-# Swin RetinaNet protocol (mmdet's retinanet_swin-t-p4-w7_fpn_1x_coco): stages 2-4 into
-# the FPN (start_level 0), AdamW lr 1e-4, weight decay 0.05, batch 16, 12 epochs (steps
-# 8/11), single scale 1333x800; drop path = the ImageNet pretraining value.
+# RetinaNet 1x, FLatten-CSwin-T backbone. No published result; recipe inferred. Model as
+# mmdet's retinanet_swin-t-p4-w7_fpn_1x_coco (stages 2-4 into the FPN, start_level 0),
+# mmdet's 1x schedule (12 epochs, steps 8/11) and single-scale 1333x800 pipeline, batch 16.
+# Optimizer: not mmdet's SGD lr 0.01 of that config but the AdamW setting of the Swin /
+# CSWin detection protocol (lr 1e-4, weight decay 0.05, none on norms / positional
+# encodings / FLA `scale`), as in our other FLatten-Swin / CSwin detectors. Drop path =
+# the ImageNet pretraining value. Not tuned.
 _base_ = [
     'mmdet::_base_/models/retinanet_r50_fpn.py',
     'mmdet::_base_/datasets/coco_detection.py',

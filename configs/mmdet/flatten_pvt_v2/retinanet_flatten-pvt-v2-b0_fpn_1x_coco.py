@@ -1,5 +1,8 @@
-# RetinaNet 1x, FLatten-PVTv2-b0 backbone (PVTv2 protocol as mmdet's
-# retinanet_pvtv2-b0_fpn_1x_coco: AdamW 1e-4, wd 1e-4, batch 16; recipe inferred).
+# RetinaNet 1x, FLatten-PVTv2-b0 backbone. Recipe inferred (no published result): PVT
+# protocol as the PVT repository's retinanet_pvt_v2_b0_fpn_1x_coco and mmdet's
+# retinanet_pvtv2-b0_fpn_1x_coco -- AdamW lr 1e-4 (PVT-family rule: RetinaNet 1e-4, Mask
+# R-CNN 2e-4), weight decay 1e-4, batch 16, 12 epochs (steps 8/11), single scale
+# 1333x800, drop path 0.1. See README.md.
 _base_ = [
     'mmdet::_base_/models/retinanet_r50_fpn.py',
     'mmdet::_base_/datasets/coco_detection.py',

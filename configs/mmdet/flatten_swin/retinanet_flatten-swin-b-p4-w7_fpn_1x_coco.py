@@ -1,4 +1,5 @@
-# no published result; drop path 0.3 as Swin-B in the official Swin detection configs
+# No published result. Recipe of the T config; drop path 0.3 as Swin-B in the Swin
+# repository's detection configs.
 _base_ = './retinanet_flatten-swin-t-p4-w7_fpn_1x_coco.py'
 
 model = dict(

@@ -1,8 +1,9 @@
-# no published result; drop path 0.3 as Swin-S in the Swin detection protocol
+# No published result. Recipe of the T config; drop path 0.2 as Swin-S in the Swin
+# repository's detection configs.
 _base_ = './retinanet_flatten-swin-t-p4-w7_fpn_1x_coco.py'
 
 model = dict(
     backbone=dict(
         arch='s',
-        drop_path_rate=0.3,
+        drop_path_rate=0.2,
         init_cfg=dict(checkpoint='checkpoints/flatten-swin-s_in1k.pth')))

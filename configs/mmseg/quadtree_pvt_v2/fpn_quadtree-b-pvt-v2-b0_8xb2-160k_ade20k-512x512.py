@@ -59,3 +59,5 @@ test_pipeline = [
 train_dataloader = dict(batch_size=2)
 val_dataloader = dict(batch_size=1, dataset=dict(pipeline=test_pipeline))
 test_dataloader = val_dataloader
+
+auto_scale_lr = dict(enable=False, base_batch_size=16)

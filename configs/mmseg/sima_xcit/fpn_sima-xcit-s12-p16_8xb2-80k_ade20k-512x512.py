@@ -2,8 +2,8 @@
 # segmentation protocol (facebookresearch/xcit semantic_segmentation/): AdamW lr 6e-5,
 # wd 0.01, 1500-iteration linear warmup (ratio 1e-6), poly decay (power 1.0), 80k
 # iterations, 8 GPUs x 2 images, FPN neck with C output channels. SimA's own ADE20K
-# recipe is unverified (see README.md). XCiT used SyncBN in the backbone:
-# `--cfg-options model.backbone.norm_cfg.type=SyncBN` for multi-GPU runs.
+# recipe is unverified (see README.md). SyncBN in the backbone as
+# XCiT (mmengine's runner reverts it to BN in single-process runs).
 _base_ = [
     'mmseg::_base_/models/fpn_r50.py',
     'mmseg::_base_/datasets/ade20k.py',
@@ -23,8 +23,8 @@ model = dict(
         arch='s12',
         patch_size=16,
         drop_path_rate=0.05,
-        out_indices=(3, 5, 7, 11),
-        norm_cfg=dict(type='BN', requires_grad=True),
+        block_indices=(3, 5, 7, 11),  # the blocks feeding fpn1..fpn4 (XCiT's out_indices)
+        norm_cfg=dict(type='SyncBN', requires_grad=True),
         # no SimA weights are released; convert your own ImageNet checkpoint first:
         # python tools/convert_checkpoint.py sima_small_12_p16.pth \
         #     checkpoints/sima-xcit-s12-p16_in1k.pth --family sima_xcit --arch s12-p16
@@ -46,3 +46,5 @@ param_scheduler = [
 train_dataloader = dict(batch_size=2)
 val_dataloader = dict(batch_size=1)
 test_dataloader = val_dataloader
+
+auto_scale_lr = dict(enable=False, base_batch_size=16)

@@ -4,7 +4,7 @@ model = dict(
     backbone=dict(
         arch='m24',
         drop_path_rate=0.15,
-        out_indices=(7, 11, 15, 23),
+        block_indices=(7, 11, 15, 23),
         init_cfg=dict(checkpoint='checkpoints/sima-xcit-m24-p16_in1k.pth')),
     decode_head=dict(in_channels=[512, 512, 512, 512]),
     auxiliary_head=dict(in_channels=512))

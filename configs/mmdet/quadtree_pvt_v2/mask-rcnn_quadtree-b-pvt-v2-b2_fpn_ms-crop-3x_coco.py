@@ -1,4 +1,4 @@
-_base_ = './mask-rcnn_quadtree-b-pvt-v2-b0_fpn_3x_coco.py'
+_base_ = './mask-rcnn_quadtree-b-pvt-v2-b0_fpn_ms-crop-3x_coco.py'
 
 model = dict(
     backbone=dict(

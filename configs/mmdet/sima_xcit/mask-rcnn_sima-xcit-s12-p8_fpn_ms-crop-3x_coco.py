@@ -1,4 +1,4 @@
-_base_ = './mask-rcnn_sima-xcit-s12-p16_fpn_3x_coco.py'
+_base_ = './mask-rcnn_sima-xcit-s12-p16_fpn_ms-crop-3x_coco.py'
 
 # patch 8: stride-8 tokens (4x the tokens of p16); fpn1 = one deconv, fpn2 = identity
 model = dict(

@@ -1,8 +1,14 @@
-# Shared fragment of the "3x, multi-scale + crop" COCO recipe (Swin / XCiT dense
-# protocol: DETR-style augmentation, 36 epochs with steps at 27 and 33). The keys have
-# names no mmdet base uses, so a config can list this file beside its other bases and
-# pick the pieces with {{_base_.ms_crop_train_pipeline}} and {{_base_.schedule_3x}}.
-ms_crop_train_pipeline = [
+# Shared fragment: COCO instance data with the multi-scale + crop training pipeline of the
+# Swin / XCiT dense protocol (the Swin repository's `mstrain_480-800` configs and mmdet's
+# `mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco`): flip 0.5, then one of two policies --
+# (a) resize the short side to one of 480, 512, ..., 800 (long side <= 1333), or
+# (b) resize the short side to 400 / 500 / 600, random absolute crop 384-600, then (a).
+# It is a complete dataset base (mmdet's coco_instance.py with `train_pipeline` replaced):
+# list it in `_base_` *instead of* 'mmdet::_base_/datasets/coco_instance.py'. The schedule
+# (1x or 3x) is chosen separately.
+_base_ = 'mmdet::_base_/datasets/coco_instance.py'
+
+train_pipeline = [
     dict(type='LoadImageFromFile', backend_args=None),
     dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
     dict(type='RandomFlip', prob=0.5),
@@ -34,9 +40,4 @@ ms_crop_train_pipeline = [
         ]]),
     dict(type='PackDetInputs')
 ]
-
-schedule_3x_max_epochs = 36
-schedule_3x = [
-    dict(type='LinearLR', start_factor=0.001, by_epoch=False, begin=0, end=500),
-    dict(type='MultiStepLR', begin=0, end=36, by_epoch=True, milestones=[27, 33], gamma=0.1)
-]
+train_dataloader = dict(dataset=dict(pipeline=train_pipeline))

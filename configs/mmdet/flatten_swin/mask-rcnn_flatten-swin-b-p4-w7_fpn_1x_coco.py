@@ -1,9 +1,0 @@
-# no published result; drop path 0.3 as Swin-B in the official Swin detection configs
-_base_ = './mask-rcnn_flatten-swin-t-p4-w7_fpn_1x_coco.py'
-
-model = dict(
-    backbone=dict(
-        arch='b',
-        drop_path_rate=0.3,
-        init_cfg=dict(checkpoint='checkpoints/flatten-swin-b_in1k.pth')),
-    neck=dict(in_channels=[128, 256, 512, 1024]))

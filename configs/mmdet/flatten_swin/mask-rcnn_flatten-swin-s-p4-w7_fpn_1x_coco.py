@@ -1,9 +1,0 @@
-# no published result for this combination (the paper's FLatten-Swin-S COCO row is
-# Cascade Mask R-CNN 3x); drop path 0.3 as Swin-S in the Swin detection protocol
-_base_ = './mask-rcnn_flatten-swin-t-p4-w7_fpn_1x_coco.py'
-
-model = dict(
-    backbone=dict(
-        arch='s',
-        drop_path_rate=0.3,
-        init_cfg=dict(checkpoint='checkpoints/flatten-swin-s_in1k.pth')))
