@@ -24,7 +24,7 @@ class Family(NamedTuple):
     stem: Tuple[str, ...]  # modules frozen with frozen_stages >= 0 besides the stages
     grad_hw: Tuple[int, int]  # input for the gradient test
     pe_calls: list  # positional-table resizes of the tiny model at a 100x36 input
-    bf16_arch: dict
+    bf16_arch: dict  # realistic widths (of the -T variant), fewer blocks: see the bf16 test
     released_geometry: dict  # the official 224 grid and window / stripe width
     fixtures: str  # golden fixture pattern in ../shared/fixtures
 
@@ -35,14 +35,14 @@ FAMILIES = {
         dict(pretrain_img_size=64, window_size=4), 0, ('patch_embed', ),
         (160, 96),  # stage 3 is 10x6: several shifted windows
         [((16, 16), (25, 9))] * 2 + [((8, 8), (13, 5))] * 2,
-        dict(embed_dims=8, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4)),
+        dict(embed_dims=96, depths=(1, 1, 2, 1), num_heads=(3, 6, 12, 24)),
         dict(pretrain_img_size=224, window_size=7), 'flatten_swin_*.pt'),
     'flatten-cswin': Family(
         FLattenCSWin, dict(embed_dims=8, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4)),
         dict(pretrain_img_size=64, split_size=2), 1, ('stages.0.patch_embed', ),
         (112, 80),
         [((16, 16), (25, 9))] * 1 + [((8, 8), (13, 5))] * 2,
-        dict(embed_dims=8, depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4)),
+        dict(embed_dims=64, depths=(1, 1, 2, 1), num_heads=(2, 4, 8, 16)),
         dict(pretrain_img_size=224, split_size=7), 'flatten_cswin_*.pt'),
 }
 family_param = pytest.mark.parametrize('fam', list(FAMILIES.values()), ids=list(FAMILIES))
@@ -191,6 +191,8 @@ def test_pretrained_init_cfg_roundtrip(fam, tmp_path):
 
 @family_param
 def test_bf16_autocast_large_input_close_to_fp32(fam):
+    # realistic widths: tiny ones (8 channels) amplify the rounding of the CPU's bf16
+    # kernels by a machine-dependent amount (see tests/test_reliability/test_mixed_precision.py)
     model = perturb(build(fam, arch=fam.bf16_arch, **fam.released_geometry)).eval()
     x = torch.randn(1, 3, 1024, 1024)
     with torch.no_grad():

@@ -152,9 +152,10 @@ def test_gradients_reach_every_parameter():
 
 
 def test_bf16_autocast_close_to_fp32():
-    m = FocusedLinearAttentionQKV(16, 2, pretrain_hw_shape=(16, 16)).eval()
+    # realistic head dim (32): tiny widths make the bf16 error depend on the CPU's kernels
+    m = FocusedLinearAttentionQKV(64, 2, pretrain_hw_shape=(16, 16)).eval()
     perturb(m)
-    x = torch.randn(1, 64 * 48, 16) * 3
+    x = torch.randn(1, 64 * 48, 64) * 3
     with torch.no_grad():
         ref = m(x, (64, 48))
         with torch.autocast('cpu', dtype=torch.bfloat16):

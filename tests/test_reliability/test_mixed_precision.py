@@ -6,11 +6,23 @@ forward and loss in ``torch.autocast('cpu', dtype=torch.bfloat16)`` ourselves, a
 custom loop would. The ``--amp`` run itself is in ``test_distributed_resume.py`` and
 needs a CUDA device.
 
-Tolerances (relative L2 error ``||out - ref|| / ||ref||`` against fp32, unit-scale
-inputs as after a LayerNorm): operators at a detection-size map (50x84 tokens, the
-stride-16 map of an 800x1344 image, C=64): bf16 <= 1e-2, fp16 <= 2e-3; QuadTree, whose
-top-k selection may flip between near-equal scores in low precision, bf16 <= 4e-2,
-fp16 <= 2e-2. Whole tiny backbones at 224x320: bf16 <= 3e-2, fp16 <= 1.5e-2.
+Accuracy checks run at realistic widths, never on the tiny test archs. A tiny arch
+(``embed_dims`` 8-32, LayerNorms over 8 channels, head dim 8) is badly conditioned: it
+amplifies the rounding of the low-precision kernels by an amount that depends on the
+CPU's kernels, not on our code -- the same tiny PVTv2 gives a bf16 relative L2 error of
+0.008 on an AMD EPYC (AVX2) and 0.055-0.143 on an Intel Xeon with AMX, while the real b0
+arch gives 0.005-0.010 on that Xeon and every operator ~0.004. So:
+
+* operators at a detection-size map (50x84 tokens, the stride-16 map of an 800x1344
+  image) with C=64 and head dim 32: bf16 <= 1e-2, fp16 <= 2e-3; QuadTree, whose top-k
+  selection may flip between near-equal scores in low precision, bf16 <= 4e-2, fp16 <=
+  2e-2;
+* whole backbones at the widths of their smallest official variant (``REALISTIC_ARCHS``)
+  at 224x320: bf16 <= 3e-2, fp16 <= 1.5e-2 (measured: see ``REALISTIC_ARCHS``);
+* tiny archs only where no accuracy is asserted (finite training steps).
+
+Errors are relative L2, ``||out - ref|| / ||ref||``, against the fp32 output of the same
+module; unit-scale inputs as after a LayerNorm.
 """
 import pytest
 import torch
@@ -20,6 +32,7 @@ from backbone_specs import build, registered_backbones
 from reliability_report import record
 
 from flatten_mm.models.layers import ATTENTIONS, build_attention
+from flatten_mm.registry import MODELS
 
 NAMES = registered_backbones()
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -38,6 +51,21 @@ OP_CFGS = {
 OP_TOL = {'bf16': 1e-2, 'fp16': 2e-3}
 BACKBONE_TOL = {'bf16': 3e-2, 'fp16': 1.5e-2}
 DET_HW = (50, 84)
+#: class -> constructor kwargs of its smallest official variant, for the accuracy checks.
+#: Measured bf16 / fp16 relative L2 errors at 224x320, seed 0 (AMD EPYC, AVX2,
+#: 2026-11-30): FLattenCSWin 0.0122 / 0.0015, FLattenSwin 0.0105 / 0.0013, QuadTreePVTv2
+#: 0.0103 / 0.0021, FLattenPVTv2 0.0097 / 0.0012, PVTv2 0.0094 / 0.0012, FLattenPVT
+#: 0.0073 / 0.0009, SimAXCiT 0.0057 / 0.0008 (bf16 0.006-0.013 over seeds 0-2); the
+#: issue reports 0.005-0.010 for PVTv2-b0 on the AMX Xeon. bf16 <= 3e-2 leaves >= 2.4x.
+REALISTIC_ARCHS = {
+    'FLattenPVTv2': dict(arch='b0'),
+    'FLattenPVT': dict(arch='tiny'),
+    'PVTv2': dict(arch='b0'),
+    'QuadTreePVTv2': dict(arch='b0'),
+    'FLattenSwin': dict(arch='t'),
+    'FLattenCSWin': dict(arch='t'),
+    'SimAXCiT': dict(arch='n12'),
+}
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -101,11 +129,20 @@ def test_operator_autocast_matches_fp32_at_detection_size(op, dtype):
     assert err <= tols.get(dtype, OP_TOL[dtype]), f'{op} {dtype}: relative L2 error {err:.2e}'
 
 
+def realistic(name: str) -> nn.Module:
+    """The backbone ``name`` at the widths of its smallest official variant, eval mode."""
+    if name not in REALISTIC_ARCHS:
+        pytest.fail(f'{name} has no entry in REALISTIC_ARCHS of '
+                    'tests/test_reliability/test_mixed_precision.py (its smallest official '
+                    'variant: accuracy under autocast is checked at realistic widths)')
+    return MODELS.build(dict(type=f'flatten_mm.{name}', **REALISTIC_ARCHS[name])).eval()
+
+
 @pytest.mark.parametrize('name', NAMES)
 @pytest.mark.parametrize('dtype', sorted(DTYPES))
 def test_backbone_autocast_matches_fp32(name, dtype):
     torch.manual_seed(0)
-    model = build(name)
+    model = realistic(name)
     x = torch.randn(1, 3, 224, 320)
     with torch.no_grad():
         ref = model(x)
