@@ -26,6 +26,7 @@ strict=False)`` loads the matching part (e.g. a hybrid whose replaced attention 
 have other keys) and logs the rest as mmengine does; a file sharing no parameter at all
 is still refused.
 """
+import os.path as osp
 import re
 from collections import OrderedDict
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -174,11 +175,23 @@ def load_pretrained(module: nn.Module, init_cfg: Mapping) -> None:
     """Load ``init_cfg=dict(type='Pretrained', checkpoint, prefix=None, map_location='cpu',
     strict=True)`` into ``module``: positional tables of another grid are resized
     (``resize_tables``, logged), then ``check_pretrained``; with ``strict=False`` the
-    tolerated missing / unexpected keys are logged as mmengine does."""
+    tolerated missing / unexpected keys are logged as mmengine does.
+
+    Raises:
+        FileNotFoundError: a local ``checkpoint`` that does not exist; the message names
+            the variant and either the command that downloads its official weights or
+            that none were released, with the two ways on
+            (``flatten_mm.zoo.missing_weights_message``).
+    """
     from mmengine.logging import print_log
     from mmengine.runner.checkpoint import load_state_dict
-    state_dict = read_pretrained(init_cfg)
     path = init_cfg['checkpoint']
+    if isinstance(path, str) and '://' not in path and not osp.isfile(path):
+        # a local file that is not there: name the variant and whether official weights
+        # exist (``flatten_mm.zoo``) instead of a bare missing-file error
+        from ..zoo import missing_weights_message
+        raise FileNotFoundError(missing_weights_message(path, module))
+    state_dict = read_pretrained(init_cfg)
     resized = resize_tables(module, state_dict)
     check_pretrained(module, state_dict, source=f'pretrained checkpoint {path}',
                      strict=init_cfg.get('strict', True))
