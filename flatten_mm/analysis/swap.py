@@ -22,8 +22,9 @@ Strides, not indices, connect the two backbones: a source ResNet with
 and the neck receives the channels of those strides. Structures that cannot be mapped
 this way raise ``SwapError`` (a ``ValueError``) with the reason, before anything is
 written: dilated backbones (several maps at stride 8), single-stride ViTs, HRNet /
-recursive FPNs, detectors whose heads read the backbone without a neck, or a SimA
-backbone (always four maps) for a neck that reads fewer.
+recursive FPNs, or detectors whose heads read the backbone without a neck. A SimA
+backbone gets ``out_indices`` like the others (its XCiT block choice, ``block_indices``,
+keeps its default).
 """
 import copy
 import math
@@ -131,8 +132,6 @@ def source_strides(backbone: dict) -> Tuple[int, ...]:
         from .catalogue import backbone_catalogue
         for spec in backbone_catalogue().values():
             if spec.cls_name == name:
-                if name == 'SimAXCiT':
-                    return (4, 8, 16, 32)
                 idx = _normalise_indices(backbone.get('out_indices', (0, 1, 2, 3)), 4)
                 return tuple(4 * 2**i for i in idx)
     if name in _RESNET_LIKE or name == 'RegNet':
@@ -253,16 +252,7 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
              f'{", ".join(map(str, strides))}']
 
     backbone = dict(_delete_=True, **spec.config())
-    if spec.cls_name == 'SimAXCiT':
-        if tuple(strides) != (4, 8, 16, 32):
-            raise SwapError(f'{spec.name} always returns four maps (strides 4, 8, 16, 32) but '
-                            f'the model reads strides {strides}')
-        from ..models.backbones.sima_xcit import default_out_indices
-        depth = spec.backbone_class().arch_zoo[spec.arch]['depth']
-        backbone['out_indices'] = default_out_indices(depth)  # block indices
-        notes.append(f'SimA out_indices are block indices: {backbone["out_indices"]}')
-    else:
-        backbone['out_indices'] = tuple(int(math.log2(s // 4)) for s in strides)
+    backbone['out_indices'] = tuple(int(math.log2(s // 4)) for s in strides)
     if checkpoint:
         backbone['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
     overrides: Dict[str, Any] = dict(backbone=backbone)

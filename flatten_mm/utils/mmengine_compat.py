@@ -141,12 +141,16 @@ def _register_cpu_ddp() -> str:
         return CPU_DDP_NAME
 
     class CPUDistributedDataParallel(MMDistributedDataParallel):
-        """``MMDistributedDataParallel`` for CPU modules (gloo): ignores ``device_ids``."""
+        """``MMDistributedDataParallel`` for CPU modules (gloo): ignores ``device_ids`` and
+        turns remaining ``SyncBatchNorm`` layers (e.g. a backbone's SyncBN default that no
+        config ``norm_cfg`` names) into per-process BN, as torch's cannot run on CPU."""
 
         def __init__(self, module, device_ids=None, **kwargs) -> None:
             params = list(module.parameters())
             if params and params[0].device.type == 'cpu':
+                from mmengine.model import revert_sync_batchnorm
                 device_ids = None
+                module = revert_sync_batchnorm(module)
             super().__init__(module=module, device_ids=device_ids, **kwargs)
 
     MODEL_WRAPPERS.register_module(name=CPU_DDP_NAME, module=CPUDistributedDataParallel)

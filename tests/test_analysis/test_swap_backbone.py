@@ -79,8 +79,7 @@ def test_swapped_upstream_config_builds_and_runs(tmp_path, src, name):
     assert plan.spec is spec
     # build + inference graph (RoI heads on 20 fixed proposals)
     shapes = verify_config(cfg)
-    model_backbone = spec.build(out_indices=bb.out_indices) if spec.cls_name != 'SimAXCiT' \
-        else spec.build()
+    model_backbone = spec.build(out_indices=bb.out_indices)
     declared = list(model_backbone.out_channels)
     assert [s[1] for s in shapes] == declared
     for s, stride in zip(shapes, model_backbone.out_strides):
@@ -145,6 +144,23 @@ def test_no_weight_decay_on_norms_tables_and_scales(tmp_path, src, name):
     assert checked > 0
 
 
+def test_sima_backbone_gets_the_maps_a_three_map_neck_reads():
+    """A neck reading strides 8, 16, 32 (DINO's 4-scale ChannelMapper) gets a SimA
+    backbone with ``out_indices=(1, 2, 3)`` like any other family: three maps, three
+    channels, no stride-4 adapter built; the XCiT block choice keeps its default."""
+    from flatten_mm.models.backbones.sima_xcit import default_block_indices
+    src = 'mmdet::dino/dino-4scale_r50_8xb2-12e_coco.py'
+    spec = get_backbone_spec('sima-xcit-t12-p16')
+    src_cfg, _ = load_source_config(src)
+    plan = plan_swap(src_cfg, src, spec)
+    backbone = plan.model['backbone']
+    assert backbone['out_indices'] == (1, 2, 3) and 'block_indices' not in backbone
+    assert plan.model['neck']['in_channels'] == [192] * 3
+    model = spec.build(out_indices=backbone['out_indices'])
+    assert model.out_strides == (8, 16, 32) and model.out_channels == (192, ) * 3
+    assert not hasattr(model, 'fpn1') and model.block_indices == default_block_indices(12)
+
+
 @pytest.mark.parametrize('src,name,match', [
     ('mmseg::pspnet/pspnet_r50-d8_4xb2-40k_cityscapes-512x1024.py', 'flatten-pvt-v2-b0',
      r'strides \(4, 8, 8, 8\).*Dilated'),
@@ -153,8 +169,6 @@ def test_no_weight_decay_on_norms_tables_and_scales(tmp_path, src, name):
      "backbone type 'VisionTransformer'"),
     ('mmdet::hrnet/cascade-mask-rcnn_hrnetv2p-w18_20e_coco.py', 'flatten-swin-t',
      "backbone type 'HRNet'"),
-    ('mmdet::dino/dino-4scale_r50_8xb2-12e_coco.py', 'sima-xcit-t12-p16',
-     r'always returns four maps .* strides \(8, 16, 32\)'),
     ('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py', 'flatten-pvt-v9', 'unknown backbone'),
     ('mmdet::mask_rcnn/no-such-config.py', 'flatten-pvt-v2-b0', 'config not found'),
 ])
