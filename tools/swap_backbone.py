@@ -1,7 +1,7 @@
 """Put a flatten_mm backbone into an existing mmdet 3.x / mmseg 1.x config.
 
     python tools/swap_backbone.py SRC_CONFIG --backbone flatten-pvt-v2-b1 \
-        [--checkpoint CKPT] -o NEW_CONFIG [--force] [--verify]
+        [--checkpoint CKPT] -o NEW_CONFIG [--force] [--verify] [--train-smoke]
     python tools/swap_backbone.py --list
 
 SRC_CONFIG is a config file or a scoped name (``mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py``).
@@ -9,6 +9,9 @@ The new config inherits it and overrides the backbone, the channels read by the 
 heads, ``out_indices``, ``custom_imports``, the weight-decay rules and (with
 ``--checkpoint``) ``init_cfg``; see ``flatten_mm/analysis/swap.py``. Nothing is written
 when the config cannot be adapted or NEW_CONFIG exists (without ``--force``).
+``--verify`` builds the new model on CPU and runs one forward; ``--train-smoke`` runs one
+training iteration on a synthetic batch (no dataset needed) and checks that the losses
+are finite and every trainable backbone parameter gets a gradient (exit status 1 if not).
 """
 import argparse
 import os.path as osp
@@ -18,6 +21,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from flatten_mm.analysis.catalogue import format_catalogue  # noqa: E402
 from flatten_mm.analysis.swap import swap_backbone, verify_config  # noqa: E402
+from flatten_mm.analysis.swap_smoke import train_smoke  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -29,6 +33,12 @@ def parse_args(argv=None):
     p.add_argument('--force', action='store_true', help='overwrite an existing --out')
     p.add_argument('--verify', action='store_true',
                    help='build the new model on CPU and run one forward at 224x256')
+    p.add_argument('--train-smoke', action='store_true',
+                   help='run one training iteration on CPU on a synthetic batch (random '
+                   'images, boxes, masks, labels for the config\'s preprocessor): finite '
+                   'losses, a gradient for every backbone parameter, one optimizer step')
+    p.add_argument('--smoke-size', type=int, nargs=2, default=(256, 256), metavar=('H', 'W'),
+                   help='image size of --train-smoke (default 256 256)')
     p.add_argument('--list', action='store_true',
                    help='print every backbone name with its parameters and strides')
     args = p.parse_args(argv)
@@ -52,6 +62,13 @@ def main(argv=None) -> int:
         shapes = verify_config(args.out)
         print('verified: built and ran one forward; backbone maps ' +
               ', '.join('x'.join(map(str, s[1:])) for s in shapes))
+    if args.train_smoke:
+        report = train_smoke(args.out, input_hw=tuple(args.smoke_size))
+        print(report.summary())
+        if not report.ok:
+            print('error: the training iteration did not give finite losses and a gradient '
+                  'to every backbone parameter', file=sys.stderr)
+            return 1
     return 0
 
 

@@ -3,28 +3,36 @@
 ``swap_backbone(src, name, out)`` writes a small config that inherits ``src`` and
 overrides only what the new backbone changes:
 
-* ``custom_imports`` (``flatten_mm.models`` added to the source's imports);
+* ``custom_imports``: ``flatten_mm.models`` added to the source's imports; a package the
+  source imported only for the replaced backbone (``mmpretrain.models`` for
+  ``type='mmpretrain.ConvNeXt'``) dropped, so it need not be installed;
 * ``model.backbone`` (``_delete_=True``, the ``flatten_mm.`` type, ``arch``,
   ``out_indices`` selecting the strides the source backbone produced, and
   ``init_cfg`` when a checkpoint is given);
 * the channels of whatever reads the backbone maps: the neck's ``in_channels``
-  (FPN, PAFPN, ChannelMapper... including RetinaNet's ``start_level=1`` FPN), or --
-  for mmseg models without a neck (UperNet) -- every decode / auxiliary head's
-  ``in_channels`` for its ``in_index``;
-* ``optim_wrapper.paramwise_cfg``: ``norm_decay_mult=0`` (no weight decay on any norm
-  layer) and ``decay_mult=0`` for the backbone's positional tables and FLA ``scale``
-  parameters (keys derived from the backbone's parameter names);
+  (FPN, PAFPN, ChannelMapper, YOLOX / RTMDet / YOLOv3 necks, SSD's two-map neck...
+  including RetinaNet's ``start_level=1`` FPN); without a neck, the ``in_channels``
+  (and ``strides``) of the MaskFormer / Mask2Former head whose pixel decoder reads every
+  map (mmdet ``panoptic_head``, mmseg ``decode_head``), or mmseg decode / auxiliary
+  heads' ``in_channels`` for their ``in_index``;
+* ``optim_wrapper``: ``norm_decay_mult=0`` (no weight decay on any norm layer) and
+  ``decay_mult=0`` for the backbone's positional tables and FLA ``scale`` parameters
+  (keys derived from the backbone's parameter names; the source's ``backbone`` lr_mult
+  kept on them); a layer-wise decay constructor, which groups parameters by the replaced
+  backbone's names, is replaced by the default one;
 * the data preprocessor's normalisation, when the source differs from the ImageNet RGB
   statistics the checkpoints were trained with; ``model.pretrained=None`` (mmseg).
 
 Strides, not indices, connect the two backbones: a source ResNet with
 ``out_indices=(1, 2, 3)`` (strides 8, 16, 32) gets ``out_indices=(1, 2, 3)`` here too,
-and the neck receives the channels of those strides. Structures that cannot be mapped
-this way raise ``SwapError`` (a ``ValueError``) with the reason, before anything is
-written: dilated backbones (several maps at stride 8), single-stride ViTs, HRNet /
-recursive FPNs, or detectors whose heads read the backbone without a neck. A SimA
-backbone gets ``out_indices`` like the others (its XCiT block choice, ``block_indices``,
-keeps its default).
+and the neck receives the channels of those strides. The source's strides are exact for
+a few families and otherwise measured by building the source backbone without weights
+and running one small forward (``swap_measure``). Structures that cannot be mapped
+raise ``SwapError`` (a ``ValueError``) with the reason, before anything is written:
+dilated backbones (several maps at stride 8), single-stride backbones (plain ViTs,
+Hourglass), HRNet / recursive FPNs, C4 detectors, or a source backbone that cannot be
+built here (its package is missing). A SimA backbone gets ``out_indices`` like the
+others (its XCiT block choice, ``block_indices``, keeps its default).
 """
 import copy
 import math
@@ -38,6 +46,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from mmengine.config import Config
 
 from .catalogue import BackboneSpec, get_backbone_spec
+from .swap_measure import (SourceGeometry, SwapError, _normalise_indices,
+                           measure_source_backbone, scope_package_missing,
+                           type_name as _type_name, type_scope)
 
 #: normalisation of the ImageNet checkpoints (RGB, 0-255 input)
 IMAGENET_MEAN = [123.675, 116.28, 103.53]
@@ -52,10 +63,6 @@ UNSUPPORTED_NECKS = {
     'RFP': 'the recursive FPN feeds features back into a DetectoRS ResNet',
     'HRFPN': 'HRFPN expects HRNet branches',
 }
-
-
-class SwapError(ValueError):
-    """The source config cannot be adapted (the message says why)."""
 
 
 # ------------------------------------------------------------------------------ source
@@ -87,8 +94,38 @@ def load_source_config(src: str) -> Tuple[Config, str]:
         if re.search(r'^\s*with\s+read_base\(\)', f.read(), flags=re.M):
             raise SwapError(f'{src} is a new-style (read_base) config; only the classic '
                             '`_base_` configs of mmdet 3.x / mmseg 1.x can be inherited')
-    cfg = Config.fromfile(path, import_custom_modules=False)
+    try:
+        # custom_imports are not imported: a package needed only by the replaced
+        # backbone (mmpretrain for mmpretrain.ConvNeXt) need not be installed
+        cfg = Config.fromfile(path, import_custom_modules=False)
+    except Exception as exc:  # noqa: BLE001
+        missing = _missing_base_packages(path)
+        if missing:
+            raise SwapError(f'{src} cannot be read without {", ".join(missing)} (its _base_ '
+                            'configs are in that package), which is not installed') from exc
+        raise
     return cfg, (src if '::' in src else path)
+
+
+def _missing_base_packages(path: str, seen=None) -> List[str]:
+    """Packages named by ``scope::`` references in ``path`` and its file bases that are
+    not installed."""
+    seen = set() if seen is None else seen
+    if path in seen or not osp.isfile(path):
+        return []
+    seen.add(path)
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    missing = []
+    for scope in re.findall(r'[\'"]([A-Za-z_][A-Za-z0-9_]*)::', text):
+        pkg = scope_package_missing(scope)
+        if pkg and pkg not in missing:
+            missing.append(pkg)
+    for rel in re.findall(r'[\'"]([^\'":]+\.py)[\'"]', text):
+        for m in _missing_base_packages(osp.join(osp.dirname(path), rel), seen):
+            if m not in missing:
+                missing.append(m)
+    return missing
 
 
 def config_scope(cfg: Config) -> str:
@@ -101,64 +138,42 @@ def config_scope(cfg: Config) -> str:
 
 # ------------------------------------------------------------------------------ strides
 def _strip_scope(type_name: Any) -> str:
-    if not isinstance(type_name, str):
-        return getattr(type_name, '__name__', str(type_name))
-    return type_name.rsplit('.', 1)[-1]
+    return _type_name(type_name)
 
 
-_RESNET_LIKE = ('ResNet', 'ResNetV1c', 'ResNetV1d', 'ResNeXt', 'Res2Net', 'ResNeSt',
-                'SEResNet', 'SEResNeXt', 'ResNet_IBN')
-_PATCH_STRIDED = ('SwinTransformer', 'PyramidVisionTransformer', 'PyramidVisionTransformerV2',
-                  'MixVisionTransformer', 'PCPVT', 'SVT')
-_POW2_FROM_4 = ('ConvNeXt', 'MSCAN', 'VAN', 'EfficientFormer', 'PoolFormer')
-_SUPPORTED_SOURCES = (_RESNET_LIKE + ('RegNet', ) + _PATCH_STRIDED + _POW2_FROM_4 +
-                      ('CSPDarknet', 'CSPNeXt', 'Darknet') + ('flatten_mm backbones', ))
-
-
-def _normalise_indices(indices, num_stages: int) -> List[int]:
-    if isinstance(indices, int):
-        indices = [indices]
-    return [i + num_stages if i < 0 else i for i in indices]
-
-
-def source_strides(backbone: dict) -> Tuple[int, ...]:
-    """Output strides of a source backbone config, in output order.
+def source_strides(backbone: dict, scope: str = 'mmdet') -> Tuple[int, ...]:
+    """Output strides of a source backbone config, in output order (exact for the
+    families of ``swap_measure.exact_strides``, measured by a forward otherwise).
 
     Raises:
-        SwapError: unknown backbone type (the message lists the supported ones).
+        SwapError: the backbone cannot be built / run (the message says why).
     """
-    name = _strip_scope(backbone.get('type'))
-    if isinstance(backbone.get('type'), str) and backbone['type'].startswith('flatten_mm.'):
-        from .catalogue import backbone_catalogue
-        for spec in backbone_catalogue().values():
-            if spec.cls_name == name:
-                idx = _normalise_indices(backbone.get('out_indices', (0, 1, 2, 3)), 4)
-                return tuple(4 * 2**i for i in idx)
-    if name in _RESNET_LIKE or name == 'RegNet':
-        num_stages = backbone.get('num_stages', 4)
-        default = (2, 2, 2, 2) if name == 'RegNet' else (1, 2, 2, 2)
-        strides = backbone.get('strides', default[:num_stages])
-        stem = 2 if name == 'RegNet' else 4
-        idx = _normalise_indices(backbone.get('out_indices', tuple(range(num_stages))),
-                                 num_stages)
-        return tuple(stem * math.prod(strides[:i + 1]) for i in idx)
-    if name in _PATCH_STRIDED:
-        strides = backbone.get('strides', (4, 2, 2, 2))
-        num_stages = backbone.get('num_stages', len(strides))
-        idx = _normalise_indices(backbone.get('out_indices', tuple(range(num_stages))),
-                                 num_stages)
-        return tuple(math.prod(strides[:i + 1]) for i in idx)
-    if name in _POW2_FROM_4:
-        idx = _normalise_indices(backbone.get('out_indices', (0, 1, 2, 3)), 4)
-        return tuple(4 * 2**i for i in idx)
-    if name in ('CSPDarknet', 'CSPNeXt'):
-        idx = _normalise_indices(backbone.get('out_indices', (2, 3, 4)), 5)
-        return tuple(2**(i + 1) for i in idx)
-    if name == 'Darknet':
-        idx = _normalise_indices(backbone.get('out_indices', (3, 4, 5)), 6)
-        return tuple(2**i for i in idx)
-    raise SwapError(f'cannot tell the output strides of backbone type {name!r}; supported '
-                    f'source backbones: {", ".join(_SUPPORTED_SOURCES)}')
+    return measure_source_backbone(backbone, scope).strides
+
+
+def _check_strides(geometry: SourceGeometry, spec: BackboneSpec) -> None:
+    """Refuse geometries a four-stride pyramid cannot provide, with the true reason."""
+    strides, name = geometry.strides, geometry.type
+    ours = set(spec.out_strides)
+    if len(strides) > 1 and len(set(strides)) == 1:
+        raise SwapError(
+            f'the source backbone ({name}) returns all its {len(strides)} maps at stride '
+            f'{strides[0]} (a single-stride backbone such as a plain ViT, whose neck '
+            f'resamples them); {spec.name} returns one map at each of {spec.out_strides}, '
+            'so there is nothing to map the readers to')
+    if len(set(strides)) != len(strides):
+        raise SwapError(
+            f'the source backbone ({name}) returns maps at strides {strides}: several maps at '
+            'the same stride (a dilated backbone, output stride '
+            f'{max(strides)}); {spec.name} returns one map at each of {spec.out_strides}. '
+            'Dilated (output stride 8/16) or single-stride backbones cannot be swapped for '
+            'a pyramid backbone.')
+    bad = [s for s in strides if s not in ours]
+    if bad:
+        raise SwapError(
+            f'the source backbone ({name}) returns maps at strides {strides}; {spec.name} '
+            f'returns one map at each of {spec.out_strides} and has none at stride '
+            f'{", ".join(map(str, bad))}')
 
 
 # ------------------------------------------------------------------------------ plan
@@ -226,6 +241,219 @@ def _map_channels(values, indices: Sequence[int], channels: Sequence[int], what:
     return [channels[i] for i in indices]
 
 
+#: heads of mmdet detectors without a neck that read every backbone map through
+#: ``in_channels`` (and ``strides`` where they have them)
+_QUERY_HEAD_KEYS = ('panoptic_head', )
+
+
+def _uses_in_index(head_type: Any) -> bool:
+    """Whether an mmseg head selects maps with ``in_index`` (a ``BaseDecodeHead``); the
+    MaskFormer-style heads (mmdet subclasses) read every map through ``in_channels``."""
+    try:
+        from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+        from mmseg.registry import MODELS
+        import mmseg.models  # noqa: F401
+        cls = head_type if isinstance(head_type, type) else MODELS.get(head_type)
+    except Exception:  # noqa: BLE001 -- unknown type: keep mmseg's default behaviour
+        return True
+    return cls is None or issubclass(cls, BaseDecodeHead)
+
+
+def _adapt_all_maps_head(head: dict, what: str, strides, channels, notes) -> dict:
+    """``in_channels`` (and ``strides``) of a head reading every backbone map (MaskFormer /
+    Mask2Former): the pixel decoder gets them from the head, or its own keys."""
+    htype = _strip_scope(head.get('type'))
+    all_maps = list(range(len(strides)))
+    if 'in_channels' not in head:
+        raise SwapError(f'{what} ({htype}) has no in_channels to adapt')
+    new = dict(in_channels=_map_channels(head['in_channels'], all_maps, channels,
+                                         f'{what} ({htype}), which reads every backbone map,'))
+    notes.append(f'{what} {htype}: in_channels {list(_as_list(head["in_channels"]))} -> '
+                 f'{list(_as_list(new["in_channels"]))}')
+    for holder, key in ((head, 'strides'), (head.get('pixel_decoder') or {}, 'strides')):
+        if key in holder and list(holder[key]) != list(strides):
+            raise SwapError(f'{what} ({htype}) declares strides {list(holder[key])} but the '
+                            f'source backbone returns maps at strides {list(strides)}')
+    if 'strides' in head:
+        new['strides'] = list(strides)
+    decoder = head.get('pixel_decoder')
+    if isinstance(decoder, dict) and 'in_channels' in decoder:
+        new['pixel_decoder'] = dict(in_channels=list(_as_list(new['in_channels'])))
+    return new
+
+
+def _neckless_mmdet(model: dict, strides, channels, overrides: dict, notes: List[str]) -> None:
+    for key in _QUERY_HEAD_KEYS:
+        head = model.get(key)
+        if isinstance(head, dict):
+            overrides[key] = _adapt_all_maps_head(head, f'{key}', strides, channels, notes)
+            return
+    roi = model.get('roi_head')
+    if isinstance(roi, dict) and roi.get('shared_head') is not None:
+        shared = _strip_scope(roi['shared_head'].get('type'))
+        raise SwapError(
+            f'the detector has no neck and its RoI head runs a {shared} shared head (the '
+            "backbone's last stage, applied to every RoI: a C4 model), which a transformer "
+            'backbone cannot provide')
+    heads = [k for k, v in model.items() if k.endswith('head') and isinstance(v, dict)]
+    raise SwapError(
+        f'the detector ({_strip_scope(model.get("type"))}) has no neck and its heads '
+        f'({", ".join(heads) or "none"}) do not declare the channels of each backbone map '
+        f'they read; only MaskFormer-style heads ({", ".join(_QUERY_HEAD_KEYS)}) are adapted '
+        'without a neck')
+
+
+def _mmseg_heads(model: dict, strides, channels, overrides: dict, notes: List[str]) -> None:
+    for key in ('decode_head', 'auxiliary_head'):
+        heads = model.get(key)
+        if heads is None:
+            continue
+        is_list = isinstance(heads, (list, tuple))
+        new_heads = []
+        for k, head in enumerate(heads if is_list else [heads]):
+            what = f'{key}[{k}]' if is_list else key
+            htype = _strip_scope(head.get('type'))
+            if not _uses_in_index(head.get('type')):
+                new_heads.append(_adapt_all_maps_head(head, what, strides, channels, notes))
+                continue
+            in_index = head.get('in_index', -1)
+            idx = _normalise_indices(in_index, len(strides))
+            if any(not 0 <= i < len(strides) for i in idx):
+                raise SwapError(f'{what} ({htype}) reads in_index {in_index} but the '
+                                f'backbone returns {len(strides)} maps')
+            if 'in_channels' not in head:
+                raise SwapError(f'{what} ({htype}) has no in_channels to adapt')
+            new = _map_channels(head['in_channels'], idx, channels, f'{what} ({htype})')
+            new_heads.append(dict(in_channels=new))
+            notes.append(f'{what} {htype}: in_channels {head["in_channels"]} -> {new} '
+                         f'(in_index {in_index})')
+        if is_list:  # lists are replaced, not merged
+            full = [copy.deepcopy(dict(h)) for h in heads]
+            for h, n in zip(full, new_heads):
+                h.update(n)
+            overrides[key] = full
+        else:
+            overrides[key] = new_heads[0]
+
+
+#: necks whose ``in_channels`` list the maps from the deepest one (YOLOv3)
+_REVERSED_NECKS = ('YOLOV3Neck', )
+#: necks that return their inputs first (``out_channels`` starts with ``in_channels``)
+_PASSTHROUGH_NECKS = ('SSDNeck', )
+
+
+def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: List[str],
+                skip: int = 0) -> None:
+    first = neck[0] if isinstance(neck, (list, tuple)) else neck
+    ntype = _strip_scope(first.get('type'))
+    if 'in_channels' not in first:
+        raise SwapError(f'neck {ntype} has no in_channels to adapt')
+    all_maps = list(range(len(strides)))
+    if ntype in _REVERSED_NECKS:
+        all_maps = all_maps[::-1]
+    old = first['in_channels']
+    old = old[skip:] if skip else old
+    new_first = dict(in_channels=_map_channels(old, all_maps, channels, f'neck {ntype}'))
+    if ntype in _PASSTHROUGH_NECKS:
+        # SSDNeck returns its inputs first: out_channels (and the head's in_channels)
+        # start with the in_channels
+        old_in = list(_as_list(first['in_channels']))
+        new_in = list(_as_list(new_first['in_channels']))
+        outs = list(first['out_channels'])
+        new_first['out_channels'] = new_in + outs[len(old_in):]
+        head = model.get('bbox_head')
+        if isinstance(head, dict) and list(_as_list(head.get('in_channels', []))) == outs:
+            overrides['bbox_head'] = dict(in_channels=list(new_first['out_channels']))
+            notes.append(f'bbox_head: in_channels {outs} -> {new_first["out_channels"]}')
+    if isinstance(neck, (list, tuple)):  # lists are replaced, not merged
+        necks = [copy.deepcopy(dict(n)) for n in neck]
+        necks[0].update(new_first)
+        overrides['neck'] = necks
+    else:
+        overrides['neck'] = new_first
+    notes.append(f'neck {ntype}: in_channels {list(_as_list(first["in_channels"]))} -> '
+                 f'{list(_as_list(new_first["in_channels"]))}'
+                 + (' (deepest map first)' if ntype in _REVERSED_NECKS else ''))
+
+
+def _unread_leading_maps(neck, num_maps: int) -> int:
+    """How many leading backbone maps an FPN-like neck with ``start_level > 0`` (and
+    ``end_level=-1``) receives but never reads (RetinaNet's FPN: 1)."""
+    if neck is None or isinstance(neck, (list, tuple)):
+        return 0
+    start = neck.get('start_level', 0)
+    chans = neck.get('in_channels')
+    if (start > 0 and neck.get('end_level', -1) == -1 and isinstance(chans, (list, tuple))
+            and len(chans) == num_maps and start < num_maps):
+        return start
+    return 0
+
+
+def _types_in(obj: Any, skip: Any = None) -> List[str]:
+    """Every string ``type`` in a config tree (``skip``: a subtree left out)."""
+    found = []
+    if obj is skip:
+        return found
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == 'type' and isinstance(v, str):
+                found.append(v)
+            else:
+                found += _types_in(v, skip)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            found += _types_in(v, skip)
+    return found
+
+
+def _custom_imports(cfg: Config, src_backbone: dict, notes: List[str]) -> dict:
+    """The source's imports plus ``flatten_mm.models``; a package imported only for the
+    swapped-out backbone (``mmpretrain.models`` for ``mmpretrain.ConvNeXt``) is dropped."""
+    imports = cfg.get('custom_imports', {}).get('imports', [])
+    imports = [imports] if isinstance(imports, str) else list(imports)
+    scope = type_scope(src_backbone.get('type'))
+    if scope not in (None, 'mmdet', 'mmseg', 'flatten_mm'):
+        rest = _types_in(cfg._cfg_dict.to_dict(), skip=None)
+        backbone_types = _types_in(src_backbone.to_dict() if hasattr(src_backbone, 'to_dict')
+                                   else dict(src_backbone))
+        others = list(rest)
+        for t in backbone_types:  # remove the backbone's own occurrences once each
+            if t in others:
+                others.remove(t)
+        if not any(t.startswith(f'{scope}.') for t in others):
+            dropped = [m for m in imports if m == scope or m.startswith(f'{scope}.')]
+            if dropped:
+                imports = [m for m in imports if m not in dropped]
+                notes.append(f'custom_imports: {", ".join(dropped)} dropped (only the '
+                             f'replaced {src_backbone.get("type")} needed it)')
+    if 'flatten_mm.models' not in imports:
+        imports.append('flatten_mm.models')
+    return dict(imports=imports, allow_failed_imports=False)
+
+
+def _optim_wrapper(cfg: Config, spec: BackboneSpec, notes: List[str]) -> dict:
+    custom_keys = {k: dict(decay_mult=0.) for k in no_decay_keys(spec)}
+    src_wrapper = cfg.get('optim_wrapper') or {}
+    src_paramwise = src_wrapper.get('paramwise_cfg') or {}
+    lr_mult = (src_paramwise.get('custom_keys') or {}).get('backbone', {}).get('lr_mult')
+    if lr_mult is not None:  # keep the source's backbone lr_mult on the keys we add
+        for v in custom_keys.values():
+            v['lr_mult'] = lr_mult
+    paramwise = dict(norm_decay_mult=0.)
+    if custom_keys:
+        paramwise['custom_keys'] = custom_keys
+    wrapper = dict(paramwise_cfg=paramwise)
+    constructor = src_wrapper.get('constructor')
+    if constructor is not None and _strip_scope(constructor) != 'DefaultOptimWrapperConstructor':
+        # layer-wise decay constructors group parameters by the replaced backbone's names
+        # (backbone.stages.N / backbone.layers.N) and ignore custom_keys
+        wrapper['constructor'] = 'DefaultOptimWrapperConstructor'
+        wrapper['paramwise_cfg'] = dict(_delete_=True, **paramwise)
+        notes.append(f'optim_wrapper: constructor {constructor} (tied to the replaced '
+                     "backbone's parameter names) -> DefaultOptimWrapperConstructor")
+    return wrapper
+
+
 def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
               checkpoint: Optional[str] = None) -> SwapPlan:
     """Work out the overrides that put ``spec`` into the model of ``cfg``.
@@ -238,76 +466,44 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
     if not isinstance(model, dict) or not isinstance(model.get('backbone'), dict):
         raise SwapError('the config has no model.backbone dict')
     src_backbone = model['backbone']
-    strides = source_strides(src_backbone)
-    ours = dict(zip(spec.out_strides, spec.out_channels))
-    bad = [s for s in strides if s not in ours]
-    if bad or len(set(strides)) != len(strides):
-        raise SwapError(
-            f'the source backbone ({_strip_scope(src_backbone.get("type"))}) returns maps at '
-            f'strides {strides}; {spec.name} returns one map at each of '
-            f'{spec.out_strides}. Dilated (output stride 8/16) or single-stride backbones '
-            'cannot be swapped for a pyramid backbone.')
-    channels = [ours[s] for s in strides]  # channels of the new backbone's outputs
-    notes = [f'source backbone {_strip_scope(src_backbone.get("type"))}: maps at strides '
-             f'{", ".join(map(str, strides))}']
-
-    backbone = dict(_delete_=True, **spec.config())
-    backbone['out_indices'] = tuple(int(math.log2(s // 4)) for s in strides)
-    if checkpoint:
-        backbone['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
-    overrides: Dict[str, Any] = dict(backbone=backbone)
-    all_maps = list(range(len(strides)))
-
     neck = model.get('neck')
     if neck is not None:
         first = neck[0] if isinstance(neck, (list, tuple)) else neck
         ntype = _strip_scope(first.get('type'))
         if ntype in UNSUPPORTED_NECKS:
             raise SwapError(f'neck {ntype} cannot be adapted: {UNSUPPORTED_NECKS[ntype]}')
-        if 'in_channels' not in first:
-            raise SwapError(f'neck {ntype} has no in_channels to adapt')
-        new_first = dict(in_channels=_map_channels(first['in_channels'], all_maps, channels,
-                                                   f'neck {ntype}'))
-        if isinstance(neck, (list, tuple)):  # lists are replaced, not merged
-            necks = [copy.deepcopy(dict(n)) for n in neck]
-            necks[0].update(new_first)
-            overrides['neck'] = necks
-        else:
-            overrides['neck'] = new_first
-        notes.append(f'neck {ntype}: in_channels {list(_as_list(first["in_channels"]))} -> '
-                     f'{list(_as_list(new_first["in_channels"]))}')
+    geometry = measure_source_backbone(src_backbone, scope)
+    _check_strides(geometry, spec)
+    strides = geometry.strides
+    skip = _unread_leading_maps(neck, len(strides))
+    if skip:  # an FPN with start_level > 0 never reads the first maps: not requested
+        strides = strides[skip:]
+    ours = dict(zip(spec.out_strides, spec.out_channels))
+    channels = [ours[s] for s in strides]  # channels of the new backbone's outputs
+    how = {'config': 'from its config', 'meta': 'measured on the meta device',
+           'cpu': 'measured on CPU'}[geometry.how]
+    notes = [f'source backbone {geometry.type}: maps at strides '
+             f'{", ".join(map(str, strides))} ({how})']
+
+    backbone = dict(_delete_=True, **spec.config())
+    backbone['out_indices'] = tuple(int(math.log2(s // 4)) for s in strides)
+    if checkpoint:
+        backbone['init_cfg'] = dict(type='Pretrained', checkpoint=checkpoint)
+    overrides: Dict[str, Any] = dict(backbone=backbone)
+
+    if neck is not None:
+        _adapt_neck(model, neck, strides, channels, overrides, notes, skip)
+        if skip:
+            first = overrides['neck'][0] if isinstance(overrides['neck'], list) \
+                else overrides['neck']
+            first['start_level'] = 0
+            notes.append(f'neck start_level {skip} -> 0: the {skip} map(s) it never read '
+                         f'(stride {", ".join(map(str, geometry.strides[:skip]))}) are not '
+                         'requested from the backbone (no parameters without a gradient)')
     elif scope == 'mmseg':
-        for key in ('decode_head', 'auxiliary_head'):
-            heads = model.get(key)
-            if heads is None:
-                continue
-            is_list = isinstance(heads, (list, tuple))
-            new_heads = []
-            for k, head in enumerate(heads if is_list else [heads]):
-                what = f'{key}[{k}]' if is_list else key
-                htype = _strip_scope(head.get('type'))
-                in_index = head.get('in_index', -1)
-                idx = _normalise_indices(in_index, len(strides))
-                if any(not 0 <= i < len(strides) for i in idx):
-                    raise SwapError(f'{what} ({htype}) reads in_index {in_index} but the '
-                                    f'backbone returns {len(strides)} maps')
-                if 'in_channels' not in head:
-                    raise SwapError(f'{what} ({htype}) has no in_channels to adapt')
-                new = _map_channels(head['in_channels'], idx, channels, f'{what} ({htype})')
-                new_heads.append(dict(in_channels=new))
-                notes.append(f'{what} {htype}: in_channels {head["in_channels"]} -> {new} '
-                             f'(in_index {in_index})')
-            if is_list:  # lists are replaced, not merged
-                full = [copy.deepcopy(dict(h)) for h in heads]
-                for h, n in zip(full, new_heads):
-                    h.update(n)
-                overrides[key] = full
-            else:
-                overrides[key] = new_heads[0]
+        _mmseg_heads(model, strides, channels, overrides, notes)
     else:
-        raise SwapError('the detector has no neck: its heads read the backbone directly '
-                        '(e.g. a C4 model with a ResNet shared head), which a transformer '
-                        'backbone cannot replace')
+        _neckless_mmdet(model, strides, channels, overrides, notes)
 
     if scope == 'mmseg' and model.get('pretrained') is not None:
         overrides['pretrained'] = None
@@ -321,18 +517,8 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
             notes.append('data preprocessor switched to ImageNet RGB mean/std (the '
                          'checkpoints were trained with them)')
 
-    custom_keys = {k: dict(decay_mult=0.) for k in no_decay_keys(spec)}
-    paramwise = dict(norm_decay_mult=0.)
-    if custom_keys:
-        paramwise['custom_keys'] = custom_keys
-    optim_wrapper = dict(paramwise_cfg=paramwise)
-
-    imports = list(cfg.get('custom_imports', {}).get('imports', []))
-    if isinstance(imports, str):
-        imports = [imports]
-    if 'flatten_mm.models' not in imports:
-        imports.append('flatten_mm.models')
-    custom_imports = dict(imports=imports, allow_failed_imports=False)
+    optim_wrapper = _optim_wrapper(cfg, spec, notes)
+    custom_imports = _custom_imports(cfg, src_backbone, notes)
     return SwapPlan(base, spec, overrides, optim_wrapper, custom_imports, notes)
 
 
@@ -415,6 +601,39 @@ def check_rendered(text: str, plan: SwapPlan) -> Config:
     return cfg
 
 
+def check_neck_builds(cfg: Config) -> None:
+    """Build the merged config's neck: widths some necks derive from ``in_channels``
+    (e.g. CSPNeXtPAFPN's halved channels) must still suit its ``norm_cfg``.
+
+    Raises:
+        SwapError: the neck does not build with the new channels (the message quotes
+            the neck's own error).
+    """
+    neck = cfg.model.get('neck')
+    if neck is None:
+        return
+    from mmengine.registry import init_default_scope
+    from mmengine.utils import import_modules_from_strings
+    scope = cfg.get('default_scope')
+    if cfg.get('custom_imports'):
+        import_modules_from_strings(**cfg.custom_imports)
+    init_default_scope(scope)
+    if scope == 'mmdet':
+        from mmdet.registry import MODELS
+    else:
+        from mmseg.registry import MODELS
+    for n in (neck if isinstance(neck, (list, tuple)) else [neck]):
+        try:
+            MODELS.build(copy.deepcopy(n))
+        except Exception as exc:  # noqa: BLE001 -- reported as the reason
+            raise SwapError(
+                f'neck {_strip_scope(n.get("type"))} does not build with in_channels '
+                f'{list(_as_list(n.get("in_channels", [])))} of the new backbone: '
+                f'{type(exc).__name__}: {exc} (widths it derives from in_channels do not '
+                f'suit its norm_cfg {dict(n.get("norm_cfg") or {})}; choose a backbone '
+                'whose channels fit, or change the neck\'s norm_cfg)') from exc
+
+
 def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
                   checkpoint: Optional[str] = None, force: bool = False) -> str:
     """Generate (and with ``out`` write) the config; returns its text.
@@ -429,7 +648,8 @@ def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
     cfg, base = load_source_config(src)
     plan = plan_swap(cfg, base, spec, checkpoint)
     text = render_config(plan)
-    check_rendered(text, plan)
+    merged = check_rendered(text, plan)
+    check_neck_builds(merged)
     if out is not None:
         os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
         tmp = f'{out}.tmp{os.getpid()}'
@@ -439,22 +659,33 @@ def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
     return text
 
 
-def verify_config(path_or_cfg, input_hw: Tuple[int, int] = (224, 256),
+def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
                   num_proposals: int = 20) -> tuple:
     """Build the model of a (generated) config on CPU and run its inference graph once
-    (``forward.dense_forward``) on a random ``(1, 3, *input_hw)`` image. Returns the
+    (``forward.dense_forward``; mmseg MaskFormer-style heads: ``encode_decode``) on a
+    random ``(1, 3, *input_hw)`` image (default 224x256, or ``input_size`` squared for
+    configs that define one, e.g. SSD300, whose extra layers need it). Returns the
     backbone's output shapes."""
     import torch
     from .forward import build_model, dense_forward
     cfg = path_or_cfg if isinstance(path_or_cfg, Config) else Config.fromfile(path_or_cfg)
+    if input_hw is None:
+        size = cfg.get('input_size')
+        input_hw = (size, size) if isinstance(size, int) else (224, 256)
     model = build_model(cfg)
     x = torch.randn(1, 3, *input_hw)
     with torch.no_grad():
         feats = model.backbone(x)
-        dense_forward(model, x, num_proposals=num_proposals)
+        head = getattr(model, 'decode_head', None)
+        if head is not None and not _uses_in_index(type(head)):
+            # mmseg MaskFormer-style heads need the image metas: run the predict graph
+            hw = tuple(input_hw)
+            model.encode_decode(x, [dict(img_shape=hw, pad_shape=hw, ori_shape=hw)])
+        else:
+            dense_forward(model, x, num_proposals=num_proposals)
     return tuple(tuple(f.shape) for f in feats)
 
 
-__all__ = ['SwapError', 'SwapPlan', 'check_rendered', 'load_source_config', 'no_decay_keys',
+__all__ = ['SwapError', 'SwapPlan', 'check_neck_builds', 'check_rendered', 'load_source_config', 'no_decay_keys',
            'plan_swap', 'render_config', 'resolve_config_path', 'source_strides',
            'swap_backbone', 'verify_config']

@@ -44,20 +44,44 @@ UPSTREAM = [
     (osp.join(REPO_ROOT, 'configs', 'mmdet', 'flatten_swin',
               'cascade-mask-rcnn_flatten-swin-t-p4-w7_fpn_4conv1fc-giou_ms-crop-3x_coco.py'),
      'quadtree-b-pvt-v2-b0'),
+    # MaskFormer-style heads without a neck: the pixel decoder reads every map
+    ('mmdet::mask2former/mask2former_r50_8xb2-lsj-50e_coco.py', 'flatten-pvt-v2-b0'),
+    ('mmdet::maskformer/maskformer_r50_ms-16xb1-75e_coco.py', 'flatten-pvt-v2-b0'),
+    ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    ('mmseg::maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    # backbones of another scope (mmpretrain, not installed): exact geometry, imports dropped
+    ('mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    ('mmdet::convnext/mask-rcnn_convnext-t-p4-w7_fpn_amp-ms-crop-3x_coco.py', 'flatten-pvt-v2-b0'),
+    # three- and two-map necks (SimA through out_indices too)
+    ('mmdet::deformable_detr/deformable-detr_r50_16xb2-50e_coco.py', 'sima-xcit-n12-p16'),
+    ('mmdet::yolo/yolov3_d53_8xb8-320-273e_coco.py', 'flatten-pvt-v2-b0'),  # deepest first
+    ('mmdet::rtmdet/rtmdet_l_convnext_b_4xb32-100e_coco.py', 'flatten-pvt-v2-b1'),
+    ('mmdet::ssd/ssd300_coco.py', 'flatten-pvt-v2-b0'),
 ]
+
+#: the backbone maps each MaskFormer-style head reads (all of them, in order)
+_ALL_MAPS_HEADS = ('Mask2FormerHead', 'MaskFormerHead')
 
 
 def _readers(cfg):
-    """Channels read from the backbone: neck in_channels, or the heads' (mmseg, no neck)."""
+    """Channels read from the backbone, by map: neck in_channels (YOLOv3's neck lists
+    the deepest map first), MaskFormer-style heads' in_channels (every map), or mmseg
+    heads' in_channels for their in_index."""
     model = cfg.model
     if model.get('neck') is not None:
         neck = model.neck[0] if isinstance(model.neck, list) else model.neck
-        return {'neck': list(neck.in_channels)}
+        chans = [neck.in_channels] if isinstance(neck.in_channels, int) else neck.in_channels
+        return {'neck': list(chans)[::-1] if neck.type == 'YOLOV3Neck' else list(chans)}
+    if model.get('panoptic_head') is not None:
+        return {'panoptic_head': list(model.panoptic_head.in_channels)}
     out = {}
     for key in ('decode_head', 'auxiliary_head'):
         heads = model.get(key)
         for i, h in enumerate(heads if isinstance(heads, list) else [heads] if heads else []):
-            out[f'{key}{i}'] = (h.in_channels, h.in_index)
+            if h.type in _ALL_MAPS_HEADS:
+                out[f'{key}{i}'] = list(h.in_channels)
+            else:
+                out[f'{key}{i}'] = (h.in_channels, h.in_index)
     return out
 
 
@@ -83,20 +107,41 @@ def test_swapped_upstream_config_builds_and_runs(tmp_path, src, name):
     declared = list(model_backbone.out_channels)
     assert [s[1] for s in shapes] == declared
     for s, stride in zip(shapes, model_backbone.out_strides):
-        assert s[2:] == (-(-224 // stride), -(-256 // stride))
+        h, w = (300, 300) if 'ssd300' in src else (224, 256)  # SSD300 needs its size
+        assert s[2:] == (-(-h // stride), -(-w // stride))
     readers = _readers(cfg)
-    if 'neck' in readers:
-        assert readers['neck'] == declared
-    else:
-        for key, (chans, idx) in readers.items():
+    assert readers
+    for key, read in readers.items():
+        if isinstance(read, list):  # reads every map, in order
+            assert read == declared, key
+        else:
+            chans, idx = read
             if isinstance(idx, int):
                 assert chans == declared[idx], key
             else:
                 assert list(chans) == [declared[i] for i in idx], key
-    if 'retinanet' in src:  # RetinaNet's FPN keeps start_level=1 with all 4 inputs
-        assert cfg.model.neck.start_level == 1 and len(cfg.model.neck.in_channels) == 4
+    if 'retinanet' in src:  # RetinaNet's FPN never read the stride-4 map: not requested
+        assert src_cfg.model.neck.start_level == 1 and len(src_cfg.model.neck.in_channels) == 4
+        assert cfg.model.neck.start_level == 0 and len(cfg.model.neck.in_channels) == 3
+        assert tuple(bb.out_indices) == (1, 2, 3) and cfg.model.neck.num_outs == 5
     if src.startswith('mmseg') and src_cfg.model.get('pretrained'):
         assert cfg.model.pretrained is None
+    # the written config is usable without the packages only the old backbone needed
+    assert not [m for m in cfg.custom_imports.imports if m.startswith('mmpretrain')]
+    Config.fromfile(str(out), import_custom_modules=True)  # imports what it lists
+    if 'convnext' in src or 'poolformer' in src:
+        assert src_cfg.model.backbone.type.startswith('mmpretrain.')
+        assert [m for m in src_cfg.custom_imports.imports if m.startswith('mmpretrain')]
+    if src_cfg.get('optim_wrapper', {}).get('constructor') == \
+            'LearningRateDecayOptimizerConstructor':  # tied to ConvNeXt's parameter names
+        assert cfg.optim_wrapper.constructor == 'DefaultOptimWrapperConstructor'
+        assert 'decay_rate' not in cfg.optim_wrapper.paramwise_cfg
+    if 'mask2former' in src:  # the pixel decoder's levels keep their strides
+        head = cfg.model.get('panoptic_head') or cfg.model.decode_head
+        assert list(head.strides) == [4, 8, 16, 32]
+    if 'ssd300' in src:  # SSDNeck passes its inputs through: out_channels start with them
+        assert list(cfg.model.neck.out_channels[:2]) == declared
+        assert list(cfg.model.bbox_head.in_channels) == list(cfg.model.neck.out_channels)
 
 
 @pytest.mark.parametrize('src,name', [
@@ -104,6 +149,8 @@ def test_swapped_upstream_config_builds_and_runs(tmp_path, src, name):
     ('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py', 'flatten-cswin-t'),
     ('mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py', 'flatten-swin-t'),
     ('mmdet::retinanet/retinanet_r50_fpn_1x_coco.py', 'quadtree-a-pvt-v2-b0'),
+    # layer-wise decay constructor of the source (ConvNeXt names) replaced
+    ('mmdet::convnext/mask-rcnn_convnext-t-p4-w7_fpn_amp-ms-crop-3x_coco.py', 'flatten-pvt-v2-b0'),
 ])
 def test_no_weight_decay_on_norms_tables_and_scales(tmp_path, src, name):
     """Build the optimizer of the produced config: every norm / positional table / FLA
@@ -118,7 +165,11 @@ def test_no_weight_decay_on_norms_tables_and_scales(tmp_path, src, name):
     cfg = Config.fromfile(str(out))
     model = build_model(cfg)
     init_default_scope('mmdet')
-    wrapper = build_optim_wrapper(model, cfg.optim_wrapper)
+    wrapper_cfg = cfg.optim_wrapper
+    if wrapper_cfg.get('type') == 'AmpOptimWrapper':  # CUDA only; grouping is the same
+        wrapper_cfg = dict(wrapper_cfg, type='OptimWrapper')
+        wrapper_cfg.pop('loss_scale', None)
+    wrapper = build_optim_wrapper(model, wrapper_cfg)
     decay = {}
     names = {id(p): n for n, p in model.named_parameters()}
     for group in wrapper.optimizer.param_groups:
@@ -164,11 +215,25 @@ def test_sima_backbone_gets_the_maps_a_three_map_neck_reads():
 @pytest.mark.parametrize('src,name,match', [
     ('mmseg::pspnet/pspnet_r50-d8_4xb2-40k_cityscapes-512x1024.py', 'flatten-pvt-v2-b0',
      r'strides \(4, 8, 8, 8\).*Dilated'),
-    ('mmdet::faster_rcnn/faster-rcnn_r50-caffe_c4-1x_coco.py', 'flatten-pvt-v2-b0', 'no neck'),
-    ('mmseg::vit/vit_deit-b16-ln_mln_upernet_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
-     "backbone type 'VisionTransformer'"),
+    ('mmdet::faster_rcnn/faster-rcnn_r50-caffe_c4-1x_coco.py', 'flatten-pvt-v2-b0',
+     r'no neck and its RoI head runs a ResLayer shared head .*C4 model'),
+    # measured: a plain ViT returns its four maps at stride 16
+    ('mmseg::vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
+     r'\(VisionTransformer\) returns all its 4 maps at stride 16 \(a single-stride'),
     ('mmdet::hrnet/cascade-mask-rcnn_hrnetv2p-w18_20e_coco.py', 'flatten-swin-t',
-     "backbone type 'HRNet'"),
+     'neck HRFPN cannot be adapted: HRFPN expects HRNet branches'),
+    # a backbone of an uninstalled scope whose geometry is not known exactly
+    ('mmdet::timm_example/retinanet_timm-tv-resnet50_fpn_1x_coco.py', 'flatten-pvt-v2-b0',
+     r"backbone 'mmpretrain.TIMMBackbone': it is registered by mmpretrain, which is not "
+     'installed'),
+    # a config that cannot be read without the missing package
+    ('mmdet::rtmdet/classification/cspnext-s_8xb256-rsb-a1-600e_in1k.py', 'flatten-pvt-v2-b0',
+     r'^mmdet::rtmdet/classification/cspnext-s_8xb256-rsb-a1-600e_in1k.py cannot be read '
+     r'without mmpretrain \(its _base_ configs are in that package\), which is not installed$'),
+    # CSPNeXtPAFPN halves in_channels into GN(32) layers: b0's 160 -> 80 does not divide
+    ('mmdet::rtmdet/rtmdet_l_convnext_b_4xb32-100e_coco.py', 'flatten-pvt-v2-b0',
+     r'neck CSPNeXtPAFPN does not build with in_channels \[64, 160, 256\] of the new '
+     r'backbone: .*num_channels \(80\) must be divisible by num_groups \(32\)'),
     ('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py', 'flatten-pvt-v9', 'unknown backbone'),
     ('mmdet::mask_rcnn/no-such-config.py', 'flatten-pvt-v2-b0', 'config not found'),
 ])
@@ -234,3 +299,88 @@ def test_catalogue_covers_every_arch():
     assert spec.num_params == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match='Did you mean: flatten-pvt-v2-b1'):
         get_backbone_spec('flatten-pvtv2-b1')
+
+
+@pytest.mark.parametrize('scope,backbone,strides,how', [
+    # geometry exact from the config (no build): mmpretrain is not installed here
+    ('mmseg', dict(type='mmpretrain.PoolFormer', arch='s12', out_indices=(0, 2, 4, 6)),
+     (4, 8, 16, 32), 'config'),
+    ('mmseg', dict(type='mmpretrain.PoolFormer', arch='s12', out_indices=(1, 6)), (8, 32),
+     'config'),
+    ('mmdet', dict(type='mmpretrain.ConvNeXt', arch='tiny'), (32, ), 'config'),
+    ('mmseg', dict(type='ResNetV1c', depth=50, strides=(1, 2, 1, 1), dilations=(1, 1, 2, 4)),
+     (4, 8, 8, 8), 'config'),
+    # measured by building the backbone and running a 128x160 image
+    ('mmdet', dict(type='SwinTransformer', embed_dims=32, depths=(1, 1, 1, 1),
+                   num_heads=(1, 1, 1, 1), out_indices=(1, 2, 3)), (8, 16, 32), None),
+    ('mmseg', dict(type='MixVisionTransformer', embed_dims=16, num_layers=(1, 1, 1, 1),
+                   num_heads=(1, 1, 1, 1)), (4, 8, 16, 32), None),
+    ('mmdet', dict(type='CSPDarknet', deepen_factor=0.33, widen_factor=0.125), (8, 16, 32),
+     None),
+    ('mmdet', dict(type='CSPDarknet', deepen_factor=0.33, widen_factor=0.125,
+                   out_indices=(1, 4)), (4, 32), None),
+])
+def test_source_strides_exact_or_measured(scope, backbone, strides, how):
+    """Strides come from a family's exact geometry, or from a forward of the source
+    backbone (channels then too); mmpretrain types are handled without mmpretrain."""
+    from flatten_mm.analysis.swap_measure import measure_source_backbone
+    geometry = measure_source_backbone(backbone, scope)
+    assert geometry.strides == strides
+    if how == 'config':
+        assert geometry.how == 'config'
+    else:
+        assert geometry.how in ('meta', 'cpu') and len(geometry.channels) == len(strides)
+    if backbone['type'] == 'CSPDarknet':  # widen 0.125: stages of 16, 32, 64, 128 channels
+        assert geometry.channels == tuple((16, 32, 64, 128)[i - 1]
+                                          for i in backbone.get('out_indices', (2, 3, 4)))
+
+
+# one training iteration of the written config (synthetic batch, CPU)
+TRAIN_SMOKE = [
+    ('mmdet::mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic.py', 'flatten-pvt-v2-b0',
+     ('loss_cls', 'loss_mask', 'loss_dice')),
+    ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
+     ('decode.loss_cls', 'decode.loss_mask', 'decode.loss_dice')),
+    ('mmdet::yolox/yolox_tiny_8xb8-300e_coco.py', 'sima-xcit-n12-p16',
+     ('loss_cls', 'loss_bbox', 'loss_obj')),
+    ('mmdet::convnext/mask-rcnn_convnext-t-p4-w7_fpn_amp-ms-crop-3x_coco.py', 'pvt-v2-b0',
+     ('loss_rpn_cls', 'loss_cls', 'loss_mask')),
+]
+
+
+@pytest.mark.parametrize('src,name,loss_keys', TRAIN_SMOKE,
+                         ids=[osp.basename(s)[:-3] for s, _, _ in TRAIN_SMOKE])
+def test_train_smoke(tmp_path, src, name, loss_keys):
+    """--train-smoke: one iteration of the written config on a synthetic batch gives
+    finite losses of every head and a gradient to every trainable backbone parameter,
+    and the config's optimizer steps."""
+    from flatten_mm.analysis.swap_smoke import train_smoke
+    out = tmp_path / 'new.py'
+    swap_backbone(src, name, str(out))
+    report = train_smoke(str(out), input_hw=(128, 128), batch_size=2)
+    for key in loss_keys:
+        assert key in report.losses, (key, sorted(report.losses))
+    assert all(torch.isfinite(torch.tensor(v)) for v in report.losses.values())
+    assert report.backbone_params > 0 and report.no_grad == [] and report.nonfinite == []
+    assert report.ok
+
+
+def test_train_smoke_reports_backbone_parameters_without_gradient(tmp_path):
+    """The check is not vacuous: RetinaNet's FPN (start_level=1) fed a SimA backbone's
+    stride-4 map (what the swap wrote before it dropped unread maps) leaves that map's
+    adapter without a gradient, and the report names it."""
+    from flatten_mm.analysis.swap_smoke import train_smoke
+    src = 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py'
+    out = tmp_path / 'new.py'
+    swap_backbone(src, 'sima-xcit-n12-p16', str(out))
+    cfg = Config.fromfile(str(out))
+    assert tuple(cfg.model.backbone.out_indices) == (1, 2, 3)
+    cfg.model.backbone.out_indices = (0, 1, 2, 3)
+    cfg.model.neck.in_channels = [128] * 4
+    cfg.model.neck.start_level = 1
+    report = train_smoke(cfg, input_hw=(128, 128))
+    assert not report.ok and report.nonfinite == []
+    assert report.no_grad and all(n.startswith('backbone.fpn1.') for n in report.no_grad)
+    assert 'no gradient: backbone.fpn1.' in report.summary()
+    ok = train_smoke(str(out), input_hw=(128, 128))  # as written: every parameter
+    assert ok.ok and ok.no_grad == []

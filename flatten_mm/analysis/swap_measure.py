@@ -1,0 +1,209 @@
+"""Output strides and channels of the backbone a config swaps out.
+
+A few families have a geometry that follows exactly from their config (ResNet-likes with
+their ``strides`` / ``dilations``, RegNet, flatten_mm's own backbones, and the two
+mmpretrain backbones mmdet / mmseg configs use, ConvNeXt and PoolFormer, which can then be
+swapped out without mmpretrain installed). Every other backbone is built from its config
+(no weights, ``init_cfg`` dropped) and run once on a ``(1, 3, 128, 160)`` image: first
+on the meta device (shapes only, no memory), on CPU when a module cannot run there.
+
+``measure_source_backbone`` raises ``SwapError`` when this cannot be done, naming why
+(the scope's package is missing, the type is not registered, the forward failed).
+"""
+import contextlib
+import copy
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+#: input used to measure strides (non-square: a transposed output would show)
+PROBE_HW = (128, 160)
+
+_RESNET_LIKE = ('ResNet', 'ResNetV1c', 'ResNetV1d', 'ResNeXt', 'Res2Net', 'ResNeSt',
+                'SEResNet', 'SEResNeXt', 'ResNet_IBN')
+
+
+class SwapError(ValueError):
+    """The source config cannot be adapted (the message says why)."""
+
+
+@dataclass(frozen=True)
+class SourceGeometry:
+    """What the source backbone feeds its readers.
+
+    Attributes:
+        type: the backbone's ``type`` as written in the config (``mmpretrain.ConvNeXt``).
+        strides: output stride of each returned map, in output order.
+        channels: channels of each map (``None`` when known from the config only).
+        how: ``'config'`` (exact geometry of a known family) or ``'meta'`` / ``'cpu'``
+            (measured by a forward on that device).
+    """
+
+    type: str
+    strides: Tuple[int, ...]
+    channels: Optional[Tuple[int, ...]]
+    how: str
+
+
+def type_name(type_: Any) -> str:
+    """``'mmpretrain.ConvNeXt'`` -> ``'ConvNeXt'``; classes give their ``__name__``."""
+    if not isinstance(type_, str):
+        return getattr(type_, '__name__', str(type_))
+    return type_.rsplit('.', 1)[-1]
+
+
+def type_scope(type_: Any) -> Optional[str]:
+    """``'mmpretrain.ConvNeXt'`` -> ``'mmpretrain'``; ``None`` for unscoped types."""
+    if isinstance(type_, str) and '.' in type_:
+        return type_.split('.', 1)[0]
+    return None
+
+
+def scope_package_missing(scope: Optional[str]) -> Optional[str]:
+    """Name of the package behind ``scope`` when it is not installed, else ``None``."""
+    if scope is None:
+        return None
+    from mmengine.config.utils import MODULE2PACKAGE
+    package = MODULE2PACKAGE.get(scope, scope)
+    try:
+        found = importlib.util.find_spec(scope) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else package
+
+
+def _normalise_indices(indices, num: int) -> List[int]:
+    if isinstance(indices, int):
+        indices = [indices]
+    return [i + num if i < 0 else i for i in indices]
+
+
+def exact_strides(backbone: dict) -> Optional[Tuple[int, ...]]:
+    """Strides of the families whose geometry follows from the config, else ``None``."""
+    type_ = backbone.get('type')
+    name, scope = type_name(type_), type_scope(type_)
+    if scope == 'flatten_mm':
+        from .catalogue import backbone_catalogue
+        if any(spec.cls_name == name for spec in backbone_catalogue().values()):
+            idx = _normalise_indices(backbone.get('out_indices', (0, 1, 2, 3)), 4)
+            return tuple(4 * 2**i for i in idx)
+        return None
+    if scope in ('mmpretrain', 'mmcls'):
+        if name == 'ConvNeXt':  # stem /4, a /2 downsample before each later stage
+            idx = _normalise_indices(backbone.get('out_indices', -1), 4)
+            return tuple(4 * 2**i for i in idx)
+        if name == 'PoolFormer':
+            # out_indices index the 7 entries of `network`: stages at 0, 2, 4, 6 (strides
+            # 4, 8, 16, 32) and the patch embeddings between them at 1, 3, 5
+            idx = _normalise_indices(backbone.get('out_indices', -1), 7)
+            return tuple(4 * 2**((i + 1) // 2) for i in idx)
+        return None
+    if scope not in (None, 'mmdet', 'mmseg'):
+        return None
+    if name in _RESNET_LIKE or name == 'RegNet':
+        num_stages = backbone.get('num_stages', 4)
+        default = (2, 2, 2, 2) if name == 'RegNet' else (1, 2, 2, 2)
+        strides = backbone.get('strides', default[:num_stages])
+        stem = 2 if name == 'RegNet' else 4
+        idx = _normalise_indices(backbone.get('out_indices', tuple(range(num_stages))),
+                                 num_stages)
+        return tuple(stem * math.prod(strides[:i + 1]) for i in idx)
+    return None
+
+
+def _clean_backbone_cfg(backbone: dict) -> dict:
+    cfg = copy.deepcopy(dict(backbone))
+    cfg.pop('init_cfg', None)
+    if 'pretrained' in cfg:
+        cfg['pretrained'] = None
+    return cfg
+
+
+def _registry(scope: str):
+    from mmengine.registry import init_default_scope
+    init_default_scope(scope)
+    if scope == 'mmdet':
+        import mmdet.models  # noqa: F401  (registration)
+        from mmdet.registry import MODELS
+    else:
+        import mmseg.models  # noqa: F401
+        from mmseg.registry import MODELS
+    return MODELS
+
+
+def _maps(out) -> List:
+    import torch
+    if isinstance(out, torch.Tensor):
+        out = [out]
+    if not isinstance(out, (list, tuple)) or not all(
+            isinstance(o, torch.Tensor) and o.dim() == 4 for o in out):
+        raise SwapError('its forward does not return a tuple of (B, C, H, W) maps')
+    return list(out)
+
+
+def _run(backbone_cfg: dict, scope: str, device: str, hw: Tuple[int, int]) -> List:
+    import torch
+    MODELS = _registry(scope)
+    ctx = torch.device('meta') if device == 'meta' else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        model = MODELS.build(_clean_backbone_cfg(backbone_cfg))
+        model.eval()
+        x = torch.zeros(1, 3, *hw, device=device)
+        return _maps(model(x))
+
+
+def _strides_of(shapes: Sequence[Tuple[int, ...]], hw: Tuple[int, int]) -> Tuple[int, ...]:
+    strides = []
+    for s in shapes:
+        h, w = s[2:]
+        stride = round(hw[0] / h)
+        if stride < 1 or -(-hw[0] // stride) != h or -(-hw[1] // stride) != w:
+            raise SwapError(f'a map of {h}x{w} from a {hw[0]}x{hw[1]} input has no '
+                            'single stride')
+        strides.append(stride)
+    return tuple(strides)
+
+
+def measure_source_backbone(backbone: dict, scope: str) -> SourceGeometry:
+    """Strides (and, when measured, channels) of the maps ``backbone`` returns.
+
+    Args:
+        backbone: the source ``model.backbone`` config.
+        scope: ``'mmdet'`` or ``'mmseg'`` (the config's default scope).
+
+    Raises:
+        SwapError: the backbone cannot be built or run; the message says why.
+    """
+    type_ = backbone.get('type')
+    name = type_ if isinstance(type_, str) else type_name(type_)
+    strides = exact_strides(backbone)
+    if strides is not None:
+        return SourceGeometry(name, strides, None, 'config')
+    missing = scope_package_missing(type_scope(type_))
+    if missing:
+        raise SwapError(f'cannot measure the output strides of backbone {name!r}: it is '
+                        f'registered by {missing}, which is not installed (pip install '
+                        f'{missing}, or start from a config whose backbone is built in)')
+    errors = []
+    for device in ('meta', 'cpu'):
+        try:
+            shapes = [tuple(m.shape) for m in _run(backbone, scope, device, PROBE_HW)]
+        except SwapError as exc:
+            raise SwapError(f'cannot measure the output strides of backbone {name!r}: '
+                            f'{exc}') from exc
+        except KeyError as exc:  # not registered
+            raise SwapError(f'backbone type {name!r} is not registered in {scope} (is the '
+                            f'module that defines it in custom_imports?): {exc}') from exc
+        except Exception as exc:  # noqa: BLE001 -- reported below if the CPU try fails too
+            errors.append(f'{device}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}'
+                          if str(exc) else f'{device}: {type(exc).__name__}')
+            continue
+        try:
+            strides = _strides_of(shapes, PROBE_HW)
+        except SwapError as exc:
+            raise SwapError(f'backbone {name!r}: {exc}') from exc
+        return SourceGeometry(name, strides, tuple(s[1] for s in shapes), device)
+    raise SwapError(f'cannot measure the output strides of backbone {name!r}: building it '
+                    f'and running a {PROBE_HW[0]}x{PROBE_HW[1]} image failed '
+                    f'({"; ".join(errors)})')

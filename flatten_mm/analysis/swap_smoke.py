@@ -1,0 +1,231 @@
+"""One training iteration of a (swapped) config on a synthetic batch, on CPU.
+
+What a user wants to know before launching a multi-GPU job: the loss graph of the whole
+model runs with the new backbone, every loss is finite, every trainable backbone
+parameter receives a gradient (DDP without ``find_unused_parameters`` needs it), and the
+config's optimizer (with its ``paramwise_cfg``) builds and steps.
+
+The batch is built for the config's own data preprocessor: ``batch_size`` random uint8
+images of ``input_hw`` with a few random boxes, labels and box-shaped masks
+(``gt_instances``; plus a semantic map for panoptic models), or a random label map
+(mmseg ``gt_sem_seg``, some pixels ignored). The dataset is not needed. The
+preprocessor's fixed sizes (mmseg ``size``, mmdet ``BatchFixedSizePad``) are set to
+``input_hw``, random multi-scale batch resizing (YOLOX / RTMDet) is left out, SyncBN
+runs as BatchNorm and ``AmpOptimWrapper`` as ``OptimWrapper`` (CPU).
+"""
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from mmengine.config import Config
+
+
+@dataclass
+class SmokeReport:
+    """Outcome of ``train_smoke``.
+
+    Attributes:
+        losses: every logged loss of the iteration (``loss`` is their sum).
+        backbone_params: trainable backbone parameter tensors.
+        frozen: backbone parameter tensors with ``requires_grad=False``.
+        no_grad: trainable backbone parameters that received no gradient.
+        nonfinite: parameters (any part of the model) whose gradient is not finite.
+        seconds: wall time of the forward + backward + step.
+        notes: what was changed for the CPU run.
+    """
+
+    losses: Dict[str, float]
+    backbone_params: int
+    frozen: int
+    no_grad: List[str]
+    nonfinite: List[str]
+    seconds: float
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (all(math.isfinite(v) for v in self.losses.values()) and not self.no_grad
+                and not self.nonfinite)
+
+    def summary(self) -> str:
+        loss = ', '.join(f'{k}={v:.4g}' for k, v in self.losses.items())
+        lines = [f'train smoke: one iteration in {self.seconds:.1f}s; {loss}',
+                 f'backbone: {self.backbone_params - len(self.no_grad)} of '
+                 f'{self.backbone_params} trainable parameter tensors received a gradient'
+                 + (f' ({self.frozen} frozen)' if self.frozen else '')]
+        if self.no_grad:
+            lines.append('  no gradient: ' + ', '.join(self.no_grad[:10])
+                         + (' ...' if len(self.no_grad) > 10 else ''))
+        if self.nonfinite:
+            lines.append('  non-finite gradient: ' + ', '.join(self.nonfinite[:10]))
+        bad = [k for k, v in self.losses.items() if not math.isfinite(v)]
+        if bad:
+            lines.append('  non-finite losses: ' + ', '.join(bad))
+        lines += [f'  ({n})' for n in self.notes]
+        return '\n'.join(lines)
+
+
+def _smoke_model_cfg(cfg: Config, input_hw: Tuple[int, int], notes: List[str]) -> Config:
+    cfg = copy.deepcopy(cfg)
+    prep = cfg.model.get('data_preprocessor')
+    if isinstance(prep, dict):
+        if prep.get('size') is not None:
+            notes.append(f'data_preprocessor.size {tuple(prep["size"])} -> {input_hw}')
+            prep['size'] = input_hw
+        augments = prep.get('batch_augments') or []
+        kept = []
+        for aug in augments:
+            if 'size' in aug:
+                aug = dict(aug, size=input_hw)
+                kept.append(aug)
+            else:
+                notes.append(f'batch augment {aug.get("type")} left out')
+        if augments:
+            prep['batch_augments'] = kept or None
+    return cfg
+
+
+def _num_classes(model_cfg) -> Tuple[int, int]:
+    """(thing classes, stuff classes) read from the heads of the model config."""
+    def find(obj, key):
+        if isinstance(obj, dict):
+            if isinstance(obj.get(key), int):
+                return obj[key]
+            for v in obj.values():
+                r = find(v, key)
+                if r is not None:
+                    return r
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                r = find(v, key)
+                if r is not None:
+                    return r
+        return None
+
+    things = find(model_cfg, 'num_things_classes')
+    if things is not None:
+        return things, find(model_cfg, 'num_stuff_classes') or 0
+    return find(model_cfg, 'num_classes') or 1, 0
+
+
+def synthetic_batch(scope: str, model_cfg, input_hw: Tuple[int, int], batch_size: int = 2,
+                    num_objects: int = 3, seed: int = 0) -> dict:
+    """A ``dict(inputs=[...], data_samples=[...])`` batch as a dataloader would give it.
+
+    Args:
+        scope: ``'mmdet'`` or ``'mmseg'``.
+        model_cfg: the model config (class counts are read from its heads).
+        input_hw: image size ``(H, W)``.
+
+    Returns:
+        ``inputs``: ``batch_size`` uint8 tensors ``(3, H, W)``; ``data_samples``:
+        ``DetDataSample`` with ``gt_instances`` (``bboxes (N, 4)``, ``labels (N,)``,
+        ``masks`` BitmapMasks ``(N, H, W)``) and ``gt_sem_seg (1, H, W)``, or
+        ``SegDataSample`` with ``gt_sem_seg (1, H, W)``.
+    """
+    import numpy as np
+    from mmengine.structures import InstanceData, PixelData
+    g = torch.Generator().manual_seed(seed)
+    H, W = input_hw
+    things, stuff = _num_classes(model_cfg)
+    meta = dict(img_shape=(H, W), ori_shape=(H, W), pad_shape=(H, W), scale_factor=(1., 1.),
+                flip=False, flip_direction=None, img_path='', img_id=0)
+    inputs, samples = [], []
+    for _ in range(batch_size):
+        inputs.append(torch.randint(0, 256, (3, H, W), generator=g, dtype=torch.uint8))
+        if scope == 'mmseg':
+            from mmseg.structures import SegDataSample
+            seg = torch.randint(0, things, (1, H, W), generator=g)
+            seg[:, :H // 8] = 255  # some ignored pixels
+            sample = SegDataSample(metainfo=dict(meta))
+            sample.gt_sem_seg = PixelData(data=seg)
+            samples.append(sample)
+            continue
+        from mmdet.structures import DetDataSample
+        from mmdet.structures.mask import BitmapMasks
+        xy = torch.rand(num_objects, 2, generator=g) * torch.tensor([W * 0.5, H * 0.5])
+        wh = (torch.rand(num_objects, 2, generator=g) * 0.3 + 0.15) * torch.tensor([W, H])
+        boxes = torch.cat([xy, xy + wh], 1).round()
+        masks = np.zeros((num_objects, H, W), dtype=np.uint8)
+        for i, (x1, y1, x2, y2) in enumerate(boxes.long().tolist()):
+            masks[i, y1:y2, x1:x2] = 1
+        labels = torch.randint(0, things, (num_objects, ), generator=g)
+        sample = DetDataSample(metainfo=dict(meta))
+        sample.gt_instances = InstanceData(bboxes=boxes, labels=labels,
+                                           masks=BitmapMasks(masks, H, W))
+        sample.ignored_instances = InstanceData(bboxes=torch.zeros(0, 4),
+                                                labels=torch.zeros(0, dtype=torch.long))
+        sem = torch.full((1, H, W), 255, dtype=torch.long)
+        if stuff:
+            sem[:, H // 2:] = things + torch.randint(0, stuff, (1, ), generator=g)
+        for i in range(num_objects):
+            sem[0][torch.from_numpy(masks[i]).bool()] = labels[i]
+        sample.gt_sem_seg = PixelData(sem_seg=sem)
+        samples.append(sample)
+    return dict(inputs=inputs, data_samples=samples)
+
+
+def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size: int = 2,
+                seed: int = 0, step: bool = True) -> SmokeReport:
+    """Run one training iteration of a config on CPU (see the module docstring).
+
+    Args:
+        path_or_cfg: config file or ``Config``.
+        input_hw: image size; a multiple of 32 keeps the mmdet preprocessor from padding.
+        step: also build the config's optimizer and take one step.
+
+    Returns:
+        SmokeReport (check ``.ok``).
+    """
+    from mmengine.model import revert_sync_batchnorm
+    from .forward import build_model
+    cfg = path_or_cfg if isinstance(path_or_cfg, Config) else Config.fromfile(path_or_cfg)
+    scope = cfg.get('default_scope')
+    notes: List[str] = []
+    cfg = _smoke_model_cfg(cfg, input_hw, notes)
+    torch.manual_seed(seed)
+    model = revert_sync_batchnorm(build_model(cfg)).train()
+    batch = synthetic_batch(scope, cfg.model, input_hw, batch_size, seed=seed)
+    t0 = time.perf_counter()
+    data = model.data_preprocessor(batch, True)
+    losses = model(**data, mode='loss')
+    loss, log_vars = model.parse_losses(losses)
+    loss.backward()
+    named = dict(model.named_parameters())
+    nonfinite = [n for n, p in named.items()
+                 if p.grad is not None and not torch.isfinite(p.grad).all()]
+    trainable = [(n, p) for n, p in model.backbone.named_parameters() if p.requires_grad]
+    frozen = sum(1 for p in model.backbone.parameters() if not p.requires_grad)
+    no_grad = [f'backbone.{n}' for n, p in trainable if p.grad is None]
+    if step and cfg.get('optim_wrapper') is not None:
+        _optimizer_step(model, cfg, notes)
+    seconds = time.perf_counter() - t0
+    return SmokeReport({k: float(torch.as_tensor(v).detach()) for k, v in log_vars.items()},
+                       len(trainable), frozen,
+                       no_grad, nonfinite, seconds, notes)
+
+
+def _optimizer_step(model, cfg: Config, notes: List[str]) -> None:
+    from mmengine.optim import build_optim_wrapper
+    from mmengine.registry import init_default_scope
+    wrapper_cfg = copy.deepcopy(cfg.optim_wrapper)
+    if wrapper_cfg.get('type') == 'AmpOptimWrapper' and not torch.cuda.is_available():
+        wrapper_cfg['type'] = 'OptimWrapper'
+        for key in ('loss_scale', 'dtype'):
+            wrapper_cfg.pop(key, None)
+        notes.append('AmpOptimWrapper run as OptimWrapper (CPU)')
+    from mmengine.logging import MMLogger
+    init_default_scope(cfg.get('default_scope'))
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel('WARNING')  # no per-parameter paramwise_options listing
+    try:
+        wrapper = build_optim_wrapper(model, wrapper_cfg)
+    finally:
+        logger.setLevel(level)
+    wrapper.step()
+    wrapper.zero_grad()
+
