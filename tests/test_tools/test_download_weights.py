@@ -192,7 +192,6 @@ def test_missing_pretrained_file_says_what_exists(ckpt, config, tmp_path, monkey
     cfg = Config.fromfile(osp.join(REPO_ROOT, config))
     backbone_cfg = cfg.model.backbone
     monkeypatch.chdir(tmp_path)  # checkpoints/ does not exist here
-    backbone_cfg['type'] = backbone_cfg['type'].replace('flatten_mm.', '')
     backbone = MODELS.build(backbone_cfg)
     with pytest.raises(FileNotFoundError) as info:
         backbone.init_weights()
