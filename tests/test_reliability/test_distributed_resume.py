@@ -300,13 +300,42 @@ def test_sync_bn_backbone_runs_single_process_on_cpu():
     sum(o.mean() for o in outs).backward()
 
 
+def test_cpu_ddp_wrapper_reverts_a_backbone_default_sync_bn(tmp_path):
+    """A SyncBN that no config ``norm_cfg`` names (``SimAXCiT``'s default) cannot run on
+    CPU once a process group exists, so ``setup_cpu_distributed``'s config rewrite cannot
+    reach it; the CPU DDP wrapper turns it into per-process BN (same parameters)."""
+    import torch.distributed as dist
+    from mmengine.registry import MODEL_WRAPPERS
+
+    from backbone_specs import build
+    from flatten_mm.utils.mmengine_compat import _register_cpu_ddp
+    if dist.is_initialized():
+        pytest.fail('a process group is already initialised in this test process')
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/store', rank=0,
+                            world_size=1)
+    try:
+        model = build('SimAXCiT').train()
+        assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+        with pytest.raises(ValueError, match='SyncBatchNorm expected input tensor to be on GPU'):
+            model(torch.randn(2, 3, 32, 32))
+        weight = model.blocks[0].local_mp.bn.weight
+        wrapped = MODEL_WRAPPERS.build(dict(type=_register_cpu_ddp(), module=model))
+        assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in wrapped.modules())
+        assert wrapped.module.blocks[0].local_mp.bn.weight is weight
+        sum(o.mean() for o in wrapped(torch.randn(2, 3, 32, 32))).backward()
+        assert weight.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
 SIMA_RETINANET_CONFIG = '''_base_ = {base!r}
 custom_imports = dict(imports=['flatten_mm.models', 'reliability_hooks'],
                       allow_failed_imports=False)
 data_root = 'demo/data/coco_mini/'
 size = (128, 96)
 model = dict(
-    backbone=dict(arch=dict(embed_dims=32, depth={depth}, num_heads=2), init_cfg=None),
+    backbone=dict(arch=dict(_delete_=True, embed_dims=32, depth={depth}, num_heads=2),
+                  init_cfg=None),
     neck=dict(in_channels={in_channels!r}))
 train_pipeline = [
     dict(type='LoadImageFromFile'),

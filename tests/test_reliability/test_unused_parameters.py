@@ -16,8 +16,10 @@ To keep CPU time low the backbone gets a tiny custom arch of its own class (SimA
 depth so the config's ``block_indices`` stay valid), and the channels that read the
 backbone (neck ``in_channels``, or the heads' for mmseg without a neck) follow the tiny
 widths; the config's ``out_indices`` / ``block_indices``, number of maps read, neck and
-heads are kept as written. The mmseg pad size is reduced to the synthetic image size.
-SyncBN is reverted to BN as mmengine's runner does in a single process.
+heads are kept as written. Images are 96x128, or the smallest multiple of 32 the backbone
+accepts (``min_input_size``, QuadTree's top-k); the mmseg pad size follows. Two-stage
+detectors sample fewer proposals / RoIs (``train_cfg`` numbers only, the same parameters
+are used). SyncBN is reverted to BN as mmengine's runner does in a single process.
 """
 import copy
 import glob
@@ -35,7 +37,7 @@ pytest.importorskip('mmseg')
 CONFIG_ROOT = osp.join(REPO_ROOT, 'configs')
 CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_ROOT, '**', '*.py'), recursive=True)
                  if not osp.relpath(p, CONFIG_ROOT).split(os.sep)[0] == '_base_')
-HW = (96, 128)  # synthetic image size (multiple of 32: no padding in mmdet)
+HW = (96, 128)  # smallest synthetic image size (multiple of 32: no padding in mmdet)
 
 
 def test_configs_are_found():
@@ -82,7 +84,20 @@ def shrink(model_cfg, out_channels) -> None:
                                    [out_channels[i] for i in idx])
 
 
+def fewer_samples(train_cfg) -> None:
+    """Fewer RPN proposals and sampled RoIs (CPU time; every head still trains)."""
+    if not train_cfg:
+        return
+    if train_cfg.get('rpn_proposal'):
+        train_cfg.rpn_proposal.update(nms_pre=200, max_per_img=64)
+    rcnn = train_cfg.get('rcnn')
+    for stage in rcnn if isinstance(rcnn, (list, tuple)) else [rcnn] if rcnn else []:
+        if stage.get('sampler'):
+            stage.sampler.num = 32
+
+
 def build_tiny(path):
+    """``(cfg, model, image size)`` for the config at ``path`` (see the module doc)."""
     from mmengine.config import Config
     from mmengine.model import revert_sync_batchnorm
 
@@ -92,18 +107,20 @@ def build_tiny(path):
     cfg.model.backbone = tiny_backbone(cfg.model.backbone)
     backbone = MODELS.build(copy.deepcopy(cfg.model.backbone))
     shrink(cfg.model, list(backbone.out_channels))
+    hw = tuple(max(a, -(-b // 32) * 32) for a, b in zip(HW, backbone.min_input_size()))
     if cfg.default_scope == 'mmseg':
-        cfg.model.data_preprocessor.size = HW
-    return cfg, revert_sync_batchnorm(build_model(cfg)).train()
+        cfg.model.data_preprocessor.size = hw
+    fewer_samples(cfg.model.get('train_cfg'))
+    return cfg, revert_sync_batchnorm(build_model(cfg)).train(), hw
 
 
-def synthetic_batch(scope: str, model) -> dict:
+def synthetic_batch(scope: str, model, hw) -> dict:
     import numpy as np
-    H, W = HW
+    H, W = hw
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, 256, (3, H, W), dtype=torch.uint8, generator=g)
               for _ in range(2)]
-    meta = dict(img_shape=HW, ori_shape=HW, pad_shape=HW, scale_factor=(1., 1.))
+    meta = dict(img_shape=hw, ori_shape=hw, pad_shape=hw, scale_factor=(1., 1.))
     samples = []
     if scope == 'mmdet':
         from mmdet.structures import DetDataSample
@@ -137,8 +154,8 @@ def synthetic_batch(scope: str, model) -> dict:
 def test_every_trainable_parameter_gets_a_gradient(path):
     """One training step of the recipe: a trainable parameter without gradient is what
     makes DDP (``find_unused_parameters=False``) fail at the second iteration."""
-    cfg, model = build_tiny(path)
-    data = synthetic_batch(cfg.default_scope, model)
+    cfg, model, hw = build_tiny(path)
+    data = synthetic_batch(cfg.default_scope, model, hw)
     losses = model(**data, mode='loss')
     loss, _ = model.parse_losses(losses)
     assert torch.isfinite(loss)
