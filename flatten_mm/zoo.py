@@ -118,33 +118,24 @@ def _quadtree() -> List[OfficialWeights]:
             bb, 'imagenet', urls, 'quadtree', f'b{n}', f'checkpoints/{bb}_in1k.pth',
             metrics=(('ImageNet top-1', _QT_TOP1[n]), ), source=QUADTREE_SOURCE,
             manual_urls=(_drive(_QT_CLS_DRIVE[n]), ), note=note))
-    for n in range(5):
-        bb = f'quadtree-b-pvt-v2-b{n}'
-        name = f'retinanet_{bb}_fpn_1x_coco'
-        out.append(OfficialWeights(
-            name, 'detection', (f'{_QT}/QuadTreeAttention_detection/b{n}.pth', ), 'quadtree',
-            f'b{n}', f'checkpoints/{name}.pth',
-            config=f'configs/mmdet/quadtree_pvt_v2/{name}.py',
-            metrics=(('COCO box AP', _QT_RETINA_AP[n]), ), source=QUADTREE_SOURCE,
-            manual_urls=(_drive(_QT_RETINA_DRIVE[n]), )))
-    for n in range(5):
-        bb = f'quadtree-b-pvt-v2-b{n}'
-        name = f'mask-rcnn_{bb}_fpn_1x_coco'
-        out.append(OfficialWeights(
-            name, 'detection', (f'{_QT}/QuadTreeAttention_maskrcnn/b{n}_1x.pth', ), 'quadtree',
-            f'b{n}', f'checkpoints/{name}.pth',
-            config=f'configs/mmdet/quadtree_pvt_v2/{name}.py',
-            metrics=(('COCO box AP', _QT_MASK_AP[n][0]), ('COCO mask AP', _QT_MASK_AP[n][1])),
-            source=QUADTREE_SOURCE, manual_urls=(_drive(_QT_MASK_DRIVE[n]), )))
-    for n in range(5):
-        bb = f'quadtree-b-pvt-v2-b{n}'
-        name = f'fpn_{bb}_8xb2-160k_ade20k-512x512'
-        out.append(OfficialWeights(
-            name, 'segmentation', (f'{_QT}/QuadTreeAttention_seg/b{n}.pth', ), 'quadtree',
-            f'b{n}', f'checkpoints/{name}.pth',
-            config=f'configs/mmseg/quadtree_pvt_v2/{name}.py',
-            metrics=(('ADE20K mIoU', _QT_SEG_MIOU[n]), ), source=QUADTREE_SOURCE,
-            manual_urls=(_drive(_QT_SEG_DRIVE[n]), )))
+    # the 15 whole models: (kind, config name template, release folder and file, config
+    # folder, published metrics per variant, Google Drive ids)
+    whole_models = (
+        ('detection', 'retinanet_{}_fpn_1x_coco', 'QuadTreeAttention_detection/b{}.pth',
+         'mmdet', [(('COCO box AP', ap), ) for ap in _QT_RETINA_AP], _QT_RETINA_DRIVE),
+        ('detection', 'mask-rcnn_{}_fpn_1x_coco', 'QuadTreeAttention_maskrcnn/b{}_1x.pth',
+         'mmdet', [(('COCO box AP', box), ('COCO mask AP', mask)) for box, mask in _QT_MASK_AP],
+         _QT_MASK_DRIVE),
+        ('segmentation', 'fpn_{}_8xb2-160k_ade20k-512x512', 'QuadTreeAttention_seg/b{}.pth',
+         'mmseg', [(('ADE20K mIoU', miou), ) for miou in _QT_SEG_MIOU], _QT_SEG_DRIVE),
+    )
+    for kind, name_tpl, file_tpl, toolbox, metrics, drive in whole_models:
+        for n in range(5):
+            name = name_tpl.format(f'quadtree-b-pvt-v2-b{n}')
+            out.append(OfficialWeights(
+                name, kind, (f'{_QT}/{file_tpl.format(n)}', ), 'quadtree', f'b{n}',
+                f'checkpoints/{name}.pth', config=f'configs/{toolbox}/quadtree_pvt_v2/{name}.py',
+                metrics=metrics[n], source=QUADTREE_SOURCE, manual_urls=(_drive(drive[n]), )))
     return out
 
 
