@@ -34,6 +34,8 @@ from conftest import REPO_ROOT
 pytest.importorskip('mmdet')
 pytest.importorskip('mmseg')
 
+from flatten_mm.analysis.swap_smoke import synthetic_batch  # noqa: E402
+
 CONFIG_ROOT = osp.join(REPO_ROOT, 'configs')
 CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_ROOT, '**', '*.py'), recursive=True)
                  if not osp.relpath(p, CONFIG_ROOT).split(os.sep)[0] == '_base_')
@@ -114,48 +116,15 @@ def build_tiny(path):
     return cfg, revert_sync_batchnorm(build_model(cfg)).train(), hw
 
 
-def synthetic_batch(scope: str, model, hw) -> dict:
-    import numpy as np
-    H, W = hw
-    g = torch.Generator().manual_seed(0)
-    inputs = [torch.randint(0, 256, (3, H, W), dtype=torch.uint8, generator=g)
-              for _ in range(2)]
-    meta = dict(img_shape=hw, ori_shape=hw, pad_shape=hw, scale_factor=(1., 1.))
-    samples = []
-    if scope == 'mmdet':
-        from mmdet.structures import DetDataSample
-        from mmdet.structures.mask import BitmapMasks
-        from mmengine.structures import InstanceData
-        for _ in inputs:
-            n = 3
-            xy = torch.rand(n, 2, generator=g) * torch.tensor([W / 2, H / 2])
-            wh = torch.rand(n, 2, generator=g) * torch.tensor([W / 2, H / 2]) + 8
-            boxes = torch.cat([xy, (xy + wh).minimum(torch.tensor([W - 1., H - 1.]))], 1)
-            masks = np.zeros((n, H, W), dtype=np.uint8)
-            for i, (x1, y1, x2, y2) in enumerate(boxes.round().long().tolist()):
-                masks[i, y1:y2, x1:x2] = 1
-            sample = DetDataSample(metainfo=meta)
-            sample.gt_instances = InstanceData(
-                bboxes=boxes, labels=torch.randint(0, 80, (n, ), generator=g),
-                masks=BitmapMasks(masks, H, W))
-            samples.append(sample)
-    else:
-        from mmengine.structures import PixelData
-        from mmseg.structures import SegDataSample
-        for _ in inputs:
-            sample = SegDataSample(metainfo=meta)
-            sample.gt_sem_seg = PixelData(
-                data=torch.randint(0, 150, (1, H, W), generator=g))
-            samples.append(sample)
-    return model.data_preprocessor(dict(inputs=inputs, data_samples=samples), True)
-
-
 @pytest.mark.parametrize('path', CONFIGS, ids=[osp.relpath(p, CONFIG_ROOT) for p in CONFIGS])
 def test_every_trainable_parameter_gets_a_gradient(path):
     """One training step of the recipe: a trainable parameter without gradient is what
     makes DDP (``find_unused_parameters=False``) fail at the second iteration."""
     cfg, model, hw = build_tiny(path)
-    data = synthetic_batch(cfg.default_scope, model, hw)
+    # the batch --train-smoke of tools/swap_backbone.py uses: boxes, masks, labels from
+    # the config's class counts, through the model's own data preprocessor
+    batch = synthetic_batch(cfg.default_scope, cfg.model, hw)
+    data = model.data_preprocessor(batch, True)
     losses = model(**data, mode='loss')
     loss, _ = model.parse_losses(losses)
     assert torch.isfinite(loss)
