@@ -35,14 +35,15 @@ def checkpoint_is_whole_model(ckpt: Any) -> bool:
 
 
 def build_config_model(config: str, cfg_options: Optional[Mapping] = None) -> torch.nn.Module:
-    """The (un-initialised) model of an mmdet 3.x / mmseg 1.x config, built on CPU."""
+    """The (un-initialised) model of an mmdet 3.x / mmseg 1.x config, built on CPU
+    (``flatten_mm.analysis.forward.build_model``: the config's scope and imports)."""
     from mmengine.config import Config
-    from mmengine.registry import MODELS, init_default_scope
+
+    from ..analysis.forward import build_model
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(dict(cfg_options))
-    init_default_scope(cfg.get('default_scope', 'mmdet'))
-    return MODELS.build(cfg.model)
+    return build_model(cfg)
 
 
 def convert_whole_checkpoint(ckpt: Mapping, config: str,
