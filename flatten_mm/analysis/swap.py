@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from mmengine.config import Config
 
 from .catalogue import BackboneSpec, get_backbone_spec
-from .swap_measure import (SourceGeometry, SwapError, _normalise_indices,
+from .swap_measure import (PROBE_HW, SourceGeometry, SwapError, _normalise_indices,
                            measure_source_backbone, scope_package_missing,
                            type_name as _type_name, type_scope)
 
@@ -156,10 +156,15 @@ def _check_strides(geometry: SourceGeometry, spec: BackboneSpec) -> None:
     strides, name = geometry.strides, geometry.type
     ours = set(spec.out_strides)
     if len(strides) > 1 and len(set(strides)) == 1:
+        where = ''
+        if geometry.probe_hw is not None and geometry.probe_hw != PROBE_HW:
+            where = (f' (measured at {geometry.probe_hw[0]}x{geometry.probe_hw[1]}, the size '
+                     f'it is built for: it cannot run a {PROBE_HW[0]}x{PROBE_HW[1]} image, '
+                     'e.g. position tables fixed to its training size)')
         raise SwapError(
             f'the source backbone ({name}) returns all its {len(strides)} maps at stride '
-            f'{strides[0]} (a single-stride backbone such as a plain ViT, whose neck '
-            f'resamples them); {spec.name} returns one map at each of {spec.out_strides}, '
+            f'{strides[0]}{where}: a single-stride backbone such as a plain ViT, whose neck '
+            f'resamples them; {spec.name} returns one map at each of {spec.out_strides}, '
             'so there is nothing to map the readers to')
     if len(set(strides)) != len(strides):
         raise SwapError(
@@ -472,7 +477,7 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
         ntype = _strip_scope(first.get('type'))
         if ntype in UNSUPPORTED_NECKS:
             raise SwapError(f'neck {ntype} cannot be adapted: {UNSUPPORTED_NECKS[ntype]}')
-    geometry = measure_source_backbone(src_backbone, scope)
+    geometry = measure_source_backbone(src_backbone, scope, cfg.get('crop_size'))
     _check_strides(geometry, spec)
     strides = geometry.strides
     skip = _unread_leading_maps(neck, len(strides))
@@ -482,6 +487,8 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
     channels = [ours[s] for s in strides]  # channels of the new backbone's outputs
     how = {'config': 'from its config', 'meta': 'measured on the meta device',
            'cpu': 'measured on CPU'}[geometry.how]
+    if geometry.probe_hw is not None and geometry.probe_hw != PROBE_HW:
+        how += f' at {geometry.probe_hw[0]}x{geometry.probe_hw[1]}'
     notes = [f'source backbone {geometry.type}: maps at strides '
              f'{", ".join(map(str, strides))} ({how})']
 

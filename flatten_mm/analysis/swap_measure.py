@@ -5,7 +5,13 @@ their ``strides`` / ``dilations``, RegNet, flatten_mm's own backbones, and the t
 mmpretrain backbones mmdet / mmseg configs use, ConvNeXt and PoolFormer, which can then be
 swapped out without mmpretrain installed). Every other backbone is built from its config
 (no weights, ``init_cfg`` dropped) and run once on a ``(1, 3, 128, 160)`` image: first
-on the meta device (shapes only, no memory), on CPU when a module cannot run there.
+on the meta device (shapes only, no memory; or with only the parameters created there,
+for modules whose construction computes on tensors), on CPU when a module cannot run
+there. A
+backbone that fails at that size but declares the size it was built for (``img_size``,
+e.g. BEiT / MAE, whose position tables are fixed to it; else the config's
+``crop_size``) is measured again at that size, so that its real structure (a plain
+single-stride ViT) is what a refusal reports, not the failed probe.
 
 ``measure_source_backbone`` raises ``SwapError`` when this cannot be done, naming why
 (the scope's package is missing, the type is not registered, the forward failed).
@@ -38,12 +44,16 @@ class SourceGeometry:
         channels: channels of each map (``None`` when known from the config only).
         how: ``'config'`` (exact geometry of a known family) or ``'meta'`` / ``'cpu'``
             (measured by a forward on that device).
+        probe_hw: the input size of the measuring forward (``None`` from the config);
+            the backbone's own ``img_size`` / the config's crop size when the backbone
+            cannot run the small probe (position tables fixed to the training size).
     """
 
     type: str
     strides: Tuple[int, ...]
     channels: Optional[Tuple[int, ...]]
     how: str
+    probe_hw: Optional[Tuple[int, int]] = None
 
 
 def type_name(type_: Any) -> str:
@@ -143,13 +153,21 @@ def _maps(out) -> List:
 
 
 def _run(backbone_cfg: dict, scope: str, device: str, hw: Tuple[int, int]) -> List:
+    """Build the backbone and run a zero image of ``hw``. ``device``: ``'meta'`` (built
+    under the meta device), ``'meta-params'`` (parameters created on the meta device,
+    everything else built on CPU, then moved: for modules whose ``__init__`` computes on
+    tensors, e.g. BEiT's ``linspace(...).item()`` drop-path rates) or ``'cpu'``."""
     import torch
+    from .catalogue import _meta_parameters
     MODELS = _registry(scope)
-    ctx = torch.device('meta') if device == 'meta' else contextlib.nullcontext()
-    with ctx, torch.no_grad():
+    ctx = {'meta': lambda: torch.device('meta'), 'meta-params': _meta_parameters,
+           'cpu': contextlib.nullcontext}[device]
+    with ctx(), torch.no_grad():
         model = MODELS.build(_clean_backbone_cfg(backbone_cfg))
-        model.eval()
-        x = torch.zeros(1, 3, *hw, device=device)
+    run_on = 'cpu' if device == 'cpu' else 'meta'
+    model.to(run_on).eval()
+    with torch.no_grad():
+        x = torch.zeros(1, 3, *hw, device=run_on)
         return _maps(model(x))
 
 
@@ -165,12 +183,24 @@ def _strides_of(shapes: Sequence[Tuple[int, ...]], hw: Tuple[int, int]) -> Tuple
     return tuple(strides)
 
 
-def measure_source_backbone(backbone: dict, scope: str) -> SourceGeometry:
+def _hw(size: Any) -> Optional[Tuple[int, int]]:
+    if isinstance(size, int):
+        return (size, size)
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(
+            isinstance(v, int) for v in size):
+        return (int(size[0]), int(size[1]))
+    return None
+
+
+def measure_source_backbone(backbone: dict, scope: str,
+                            crop_size: Any = None) -> SourceGeometry:
     """Strides (and, when measured, channels) of the maps ``backbone`` returns.
 
     Args:
         backbone: the source ``model.backbone`` config.
         scope: ``'mmdet'`` or ``'mmseg'`` (the config's default scope).
+        crop_size: the config's training size ``(H, W)`` (or an int), the second probe
+            size when the backbone declares no ``img_size``.
 
     Raises:
         SwapError: the backbone cannot be built or run; the message says why.
@@ -186,24 +216,32 @@ def measure_source_backbone(backbone: dict, scope: str) -> SourceGeometry:
                         f'registered by {missing}, which is not installed (pip install '
                         f'{missing}, or start from a config whose backbone is built in)')
     errors = []
-    for device in ('meta', 'cpu'):
-        try:
-            shapes = [tuple(m.shape) for m in _run(backbone, scope, device, PROBE_HW)]
-        except SwapError as exc:
-            raise SwapError(f'cannot measure the output strides of backbone {name!r}: '
-                            f'{exc}') from exc
-        except KeyError as exc:  # not registered
-            raise SwapError(f'backbone type {name!r} is not registered in {scope} (is the '
-                            f'module that defines it in custom_imports?): {exc}') from exc
-        except Exception as exc:  # noqa: BLE001 -- reported below if the CPU try fails too
-            errors.append(f'{device}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}'
-                          if str(exc) else f'{device}: {type(exc).__name__}')
-            continue
-        try:
-            strides = _strides_of(shapes, PROBE_HW)
-        except SwapError as exc:
-            raise SwapError(f'backbone {name!r}: {exc}') from exc
-        return SourceGeometry(name, strides, tuple(s[1] for s in shapes), device)
+    probes = [PROBE_HW]
+    fixed = _hw(backbone.get('img_size')) or _hw(crop_size)
+    if fixed is not None and fixed != PROBE_HW:
+        probes.append(fixed)  # built for one size (fixed position tables): measure there
+    for hw in probes:
+        for device in ('meta', 'meta-params', 'cpu'):
+            try:
+                shapes = [tuple(m.shape) for m in _run(backbone, scope, device, hw)]
+            except SwapError as exc:
+                raise SwapError(f'cannot measure the output strides of backbone {name!r}: '
+                                f'{exc}') from exc
+            except KeyError as exc:  # not registered
+                raise SwapError(f'backbone type {name!r} is not registered in {scope} (is '
+                                f'the module that defines it in custom_imports?): {exc}'
+                                ) from exc
+            except Exception as exc:  # noqa: BLE001 -- reported if every probe fails
+                msg = str(exc).splitlines()[0][:200] if str(exc) else ''
+                errors.append(f'{hw[0]}x{hw[1]} {device}: {type(exc).__name__}'
+                              + (f': {msg}' if msg else ''))
+                continue
+            try:
+                strides = _strides_of(shapes, hw)
+            except SwapError as exc:
+                raise SwapError(f'backbone {name!r}: {exc}') from exc
+            return SourceGeometry(name, strides, tuple(s[1] for s in shapes),
+                                  'cpu' if device == 'cpu' else 'meta', hw)
+    sizes = ' or '.join(f'{h}x{w}' for h, w in probes)
     raise SwapError(f'cannot measure the output strides of backbone {name!r}: building it '
-                    f'and running a {PROBE_HW[0]}x{PROBE_HW[1]} image failed '
-                    f'({"; ".join(errors)})')
+                    f'and running a {sizes} image failed ({"; ".join(errors)})')

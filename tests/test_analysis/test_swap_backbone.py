@@ -219,7 +219,17 @@ def test_sima_backbone_gets_the_maps_a_three_map_neck_reads():
      r'no neck and its RoI head runs a ResLayer shared head .*C4 model'),
     # measured: a plain ViT returns its four maps at stride 16
     ('mmseg::vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
-     r'\(VisionTransformer\) returns all its 4 maps at stride 16 \(a single-stride'),
+     r'\(VisionTransformer\) returns all its 4 maps at stride 16: a single-stride'),
+    # BEiT / MAE cannot run the 128x160 probe (position tables fixed to the training
+    # size): measured again at their img_size, refused for what they are
+    ('mmseg::beit/beit-base_upernet_8xb2-160k_ade20k-640x640.py', 'flatten-pvt-v2-b0',
+     r'^the source backbone \(BEiT\) returns all its 4 maps at stride 16 \(measured at '
+     r'640x640, the size it is built for: it cannot run a 128x160 image.*\): a '
+     r'single-stride backbone such as a plain ViT'),
+    ('mmseg::mae/mae-base_upernet_8xb2-amp-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
+     r'^the source backbone \(MAE\) returns all its 4 maps at stride 16 \(measured at '
+     r'512x512, the size it is built for: it cannot run a 128x160 image.*\): a '
+     r'single-stride backbone such as a plain ViT'),
     ('mmdet::hrnet/cascade-mask-rcnn_hrnetv2p-w18_20e_coco.py', 'flatten-swin-t',
      'neck HRFPN cannot be adapted: HRFPN expects HRNet branches'),
     # a backbone of an uninstalled scope whose geometry is not known exactly
