@@ -15,7 +15,14 @@ Per token, with ``phi_p(x) = ||x|| / ||x^p|| * x^p`` applied to
 The kernel (steps ReLU ... normaliser) always runs in float32, also under autocast:
 ``(Q/s)^3`` overflows fp16 and the ``1e-6`` floor underflows it (FLatten#15, #32).
 No ``N x N`` tensor is formed: cost and memory are linear in the token count.
+
+On CUDA the kernel + linear attention run as fused Triton kernels (forward and backward,
+``focused_linear_attention_triton``) when Triton imports; ``use_triton=False`` (operator
+argument) or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path below.
 """
+import importlib.util
+import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -27,6 +34,62 @@ from .kv_reduction import KVReductionMixin
 from .pos_embed import _is_compiling, resize_loaded_pos_table, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
+
+
+#: environment switch: ``FLATTEN_MM_TRITON=0`` turns the fused Triton kernels off
+TRITON_ENV = 'FLATTEN_MM_TRITON'
+_triton_failed: Optional[str] = None  # why importing the kernels failed (auto mode)
+
+
+def triton_env_enabled() -> bool:
+    """``False`` when ``FLATTEN_MM_TRITON`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return os.environ.get(TRITON_ENV, '1').strip().lower() not in ('0', 'false', 'no', 'off')
+
+
+def _use_fla_triton(use_triton: Optional[bool], q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, scale: torch.Tensor, num_heads: int,
+                    focusing_factor: int, k_pos: Optional[torch.Tensor]) -> bool:
+    """Whether ``focused_linear_core`` runs the fused Triton kernels.
+
+    ``FLATTEN_MM_TRITON=0`` or ``use_triton=False``: never. ``None`` (auto): on CUDA tensors
+    the kernels take (``check_inputs``), when Triton imports, outside ONNX export / tracing.
+    ``True``: always, else a ``ValueError`` / ``RuntimeError`` saying why not (CPU tensors
+    need ``TRITON_INTERPRET=1``: the tests' way to run the kernels without a GPU)."""
+    global _triton_failed
+    if use_triton is False or use_triton is None and not q.is_cuda:
+        return False  # (first: nothing else is looked at on the CPU path, e.g. under dynamo)
+    if not triton_env_enabled():
+        return False
+    if use_triton is None:
+        if _triton_failed is not None or torch.jit.is_tracing() or (
+                torch.onnx.is_in_onnx_export()):
+            return False
+        if importlib.util.find_spec('triton') is None:
+            _triton_failed = 'triton is not installed'
+            return False
+    elif use_triton is not True:
+        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
+    try:
+        from . import focused_linear_attention_triton as fla_triton
+    except Exception as e:  # ImportError, or a Triton that fails to initialise
+        if use_triton:
+            raise RuntimeError(f'use_triton=True but the FLA Triton kernels do not import: '
+                               f'{type(e).__name__}: {e}') from e
+        _triton_failed = f'{type(e).__name__}: {e}'
+        warnings.warn(f'flatten_mm: FLA Triton kernels unavailable, using the PyTorch path '
+                      f'({_triton_failed})', RuntimeWarning, stacklevel=3)
+        return False
+    why = fla_triton.check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos)
+    if why is not None and use_triton:
+        raise ValueError(f'use_triton=True but the FLA Triton kernels cannot take these '
+                         f'inputs: {why}')
+    return why is None
+
+
+def _check_use_triton(use_triton: Optional[bool]) -> Optional[bool]:
+    if not (use_triton is None or isinstance(use_triton, bool)):
+        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
+    return use_triton
 
 
 def focused_feature_map(x: torch.Tensor, scale: torch.Tensor,
@@ -115,7 +178,8 @@ def _kernel_parts(x: torch.Tensor, inv_scale: torch.Tensor, p: int, inplace: boo
 def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: torch.Tensor, num_heads: int,
                         focusing_factor: int,
-                        k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        k_pos: Optional[torch.Tensor] = None,
+                        use_triton: Optional[bool] = None) -> torch.Tensor:
     """Kernel + linear attention on full-channel tokens, computed in float32.
 
     Fused form of ``focused_linear_core_reference`` (same maths, rounding-level
@@ -134,10 +198,16 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         num_heads: heads ``h`` (``C % h == 0``).
         focusing_factor: power ``p``.
         k_pos: optional positional encoding ``(1, n, C)`` added to the keys first.
+        use_triton: ``None`` (auto: the fused Triton kernels on CUDA), ``True`` (force
+            them; an error if impossible) or ``False`` (this PyTorch path); see
+            ``_use_fla_triton``. ``FLATTEN_MM_TRITON=0`` turns them off everywhere.
 
     Returns:
         ``(B, N, C)`` attention output in the dtype of ``v`` (without DWC).
     """
+    if _use_fla_triton(use_triton, q, k, v, scale, num_heads, focusing_factor, k_pos):
+        from .focused_linear_attention_triton import fla_core_triton
+        return fla_core_triton(q, k, v, scale, num_heads, focusing_factor, k_pos=k_pos)
     out_dtype = v.dtype
     B, N, C = q.shape
     n = k.shape[1]
@@ -205,6 +275,8 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
             (``H*W // sr^2`` tokens, or 49 with ``linear``) and is resized to the
             actual key grid at run time.
         pe_interp_mode: ``'bilinear'`` or ``'bicubic'`` resizing of the table.
+        use_triton: fused Triton kernels of the FLA core: ``None`` auto (on CUDA),
+            ``True`` forced, ``False`` off (see ``focused_linear_core``).
     """
 
     def __init__(self,
@@ -218,8 +290,10 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
                  focusing_factor: int = 3,
                  kernel_size: int = 5,
                  pretrain_hw_shape: Tuple[int, int] = (56, 56),
-                 pe_interp_mode: str = 'bilinear') -> None:
+                 pe_interp_mode: str = 'bilinear',
+                 use_triton: Optional[bool] = None) -> None:
         super().__init__()
+        self.use_triton = _check_use_triton(use_triton)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
@@ -285,7 +359,7 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
                               self.pe_interp_mode)
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
-                                  k_pos=pe)
+                                  k_pos=pe, use_triton=self.use_triton)
 
         # rank restoration: depthwise conv on V, shared by the heads
         n = v.shape[1]
@@ -355,6 +429,8 @@ class _FocusedLinearRegion(nn.Module):
         lepe: add CSWin's locally-enhanced positional encoding ``get_v`` (3x3 depth-wise
             conv with bias on the V map of the region).
         pe_interp_mode: ``'bilinear'`` or ``'bicubic'`` resizing of the table.
+        use_triton: fused Triton kernels of the FLA core: ``None`` auto (on CUDA),
+            ``True`` forced, ``False`` off (see ``focused_linear_core``).
     """
 
     def __init__(self,
@@ -364,8 +440,10 @@ class _FocusedLinearRegion(nn.Module):
                  kernel_size: int = 5,
                  pretrain_hw_shape: Tuple[int, int] = (56, 56),
                  lepe: bool = False,
-                 pe_interp_mode: str = 'bilinear') -> None:
+                 pe_interp_mode: str = 'bilinear',
+                 use_triton: Optional[bool] = None) -> None:
         super().__init__()
+        self.use_triton = _check_use_triton(use_triton)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if pe_interp_mode not in ('bilinear', 'bicubic'):
@@ -414,7 +492,7 @@ class _FocusedLinearRegion(nn.Module):
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
                               self.pe_interp_mode)
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
-                                  k_pos=pe)
+                                  k_pos=pe, use_triton=self.use_triton)
         out = out + token_conv(self.dwc, v, hw_shape, repeat=self.num_heads).to(out.dtype)
         if self.get_v is not None:
             out = out + token_conv(self.get_v, v, hw_shape).to(out.dtype)
@@ -469,6 +547,7 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
         kernel_size: DWC kernel size.
         pretrain_hw_shape: stage grid at the pretraining resolution (global mode).
         pe_interp_mode: ``'bilinear'`` or ``'bicubic'``.
+        use_triton: fused Triton kernels (``None`` auto, ``True``, ``False``).
     """
 
     def __init__(self,
@@ -482,7 +561,8 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
                  focusing_factor: int = 3,
                  kernel_size: int = 5,
                  pretrain_hw_shape: Tuple[int, int] = (56, 56),
-                 pe_interp_mode: str = 'bilinear') -> None:
+                 pe_interp_mode: str = 'bilinear',
+                 use_triton: Optional[bool] = None) -> None:
         if attn_drop != 0:
             raise NotImplementedError(
                 'FocusedLinearAttentionQKV has no attention-map dropout '
@@ -493,7 +573,7 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
         region = pretrain_hw_shape if window_size is None else (window_size, window_size)
         super().__init__(embed_dims, num_heads, focusing_factor=focusing_factor,
                          kernel_size=kernel_size, pretrain_hw_shape=region, lepe=False,
-                         pe_interp_mode=pe_interp_mode)
+                         pe_interp_mode=pe_interp_mode, use_triton=use_triton)
         self.window_size = window_size
         self.shift = shift
         self.qkv = nn.Linear(embed_dims, 3 * embed_dims, bias=qkv_bias)

@@ -1,0 +1,545 @@
+"""Fused Triton kernels of the FLA core (``focused_linear_core``), forward and backward.
+
+The same maths as ``focused_linear_attention.focused_linear_core`` (the PyTorch path,
+which stays the fallback and the reference)::
+
+    base = (ReLU(x) + 1e-6) / softplus(scale)        # x = q, or k + k_pos
+    phi(x) = ||base|| / ||base^p|| * base^p           # norms over all C channels
+    out_i = phi(q_i) KV / (phi(q_i) . mean_j phi(k_j) + 1e-6),  KV = sum_j phi(k_j)^T v_j / n
+
+per head, computed in float32 whatever the input dtype (fp32 / bf16 / fp16). The power is
+taken of ``base / max(base)`` (``phi`` is invariant to that scale), so no intermediate can
+overflow, not even float32 ``||base^p||`` for large activations.
+
+Forward, two kernels and one reduction:
+
+1. ``_fla_kv_fwd`` (grid: token chunks x batch x heads) reads ``k`` (+ ``k_pos``), ``v``
+   once, forms ``phi(k)`` in registers and accumulates per-chunk partial sums of
+   ``phi(k)^T v`` and ``phi(k)``; the chunks are summed in PyTorch (deterministic).
+2. ``_fla_out_fwd`` (grid: token blocks x batch) reads ``q`` once and writes the
+   normalised ``phi(q) KV`` of every head, head-merged ``(B, N, C)``.
+
+Backward (recompute-based, nothing ``(B, N, C)`` is saved but the inputs):
+``_fla_q_bwd`` gives ``dphi(q)`` and partial ``dKV``, ``dmean``; ``_fla_k_bwd`` gives
+``dphi(k)`` and ``dv``; ``_focus_bwd`` (twice) turns ``dphi`` into ``dq`` / ``dk`` and a
+per-block partial of the ``softplus`` scale gradient. The gradient of ``k_pos`` is the batch
+sum of ``dk``.
+
+Both directions are ``torch.library.triton_op`` custom ops (``flatten_mm::fla_core`` and
+``flatten_mm::fla_core_backward``) joined by ``register_autograd``, so autograd treats the
+forward as one function with its backward and ``torch.compile`` sees one node each.
+
+On CUDA tensors the kernels are compiled by Triton; on CPU tensors they run only under
+Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before this
+module is imported (Triton reads it when the kernels are decorated) -- the tests do so.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+#: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+_EPS = 1e-6  # the ReLU floor and the normaliser's epsilon of FLA
+_MAX_HEAD_DIM = 128  # register budget of the per-head tiles
+
+
+# ----------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _row_stats(x_ptr, pos_ptr, inv_s_ptr, row_off, pos_row_off, rmask, C, sxc, spc,
+               HAS_POS: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per token of a row block: ``m = max(base)``, ``||base||`` and ``||(base/m)^p||``
+    over all ``C`` channels, in chunks of ``BLOCK_C`` with running rescaling."""
+    m = tl.zeros(row_off.shape, tl.float32) + 1e-30
+    s_b = tl.zeros(row_off.shape, tl.float32)  # sum (base/m)^2
+    s_y = tl.zeros(row_off.shape, tl.float32)  # sum (base/m)^(2p)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        msk = rmask[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + row_off[:, None] + cols[None, :] * sxc, mask=msk,
+                    other=0.).to(tl.float32)
+        if HAS_POS:
+            x += tl.load(pos_ptr + pos_row_off[:, None] + cols[None, :] * spc, mask=msk,
+                         other=0.).to(tl.float32)
+        inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
+        base = tl.where(msk, (tl.maximum(x, 0.) + 1e-6) * inv_s[None, :], 0.)
+        m_new = tl.maximum(m, tl.max(base, axis=1))
+        a = m / m_new
+        t = base / m_new[:, None]
+        a2 = a * a
+        t2 = t * t
+        ap = a2
+        tp = t2
+        for _ in tl.static_range(P - 1):
+            ap = ap * a2
+            tp = tp * t2
+        s_b = s_b * a2 + tl.sum(t2, axis=1)
+        s_y = s_y * ap + tl.sum(tp, axis=1)
+        m = m_new
+    m = tl.where(rmask, m, 1.)
+    nb = tl.where(rmask, m * tl.sqrt(s_b), 1.)
+    ny = tl.where(rmask, tl.sqrt(s_y), 1.)
+    return m, nb, ny
+
+
+@triton.jit
+def _head_features(x_ptr, pos_ptr, inv_s_ptr, row_off, pos_row_off, msk, cols, m, C, sxc,
+                   spc, HAS_POS: tl.constexpr, P: tl.constexpr):
+    """``x`` (+ pos), ``base`` and ``t^p`` (``t = base / m``) of one head's channels."""
+    x = tl.load(x_ptr + row_off[:, None] + cols[None, :] * sxc, mask=msk, other=0.).to(tl.float32)
+    if HAS_POS:
+        x += tl.load(pos_ptr + pos_row_off[:, None] + cols[None, :] * spc, mask=msk,
+                     other=0.).to(tl.float32)
+    inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
+    base = tl.where(msk, (tl.maximum(x, 0.) + 1e-6) * inv_s[None, :], 0.)
+    t = base / m[:, None]
+    y = t
+    for _ in tl.static_range(P - 1):
+        y = y * t
+    return x, base, t, y
+
+
+@triton.jit
+def _cast_rne(x, dtype: tl.constexpr):
+    """float32 -> ``dtype`` rounding to nearest even, bfloat16 included by integer
+    arithmetic (Triton's interpreter truncates on ``.to(tl.bfloat16)``; this way CPU tests
+    and GPU round alike)."""
+    if dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _fla_kv_fwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, kv_ptr, ks_ptr,
+                n, C, chunk, skb, skn, skc, spn, spc, svb, svn, svc,
+                H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr, P: tl.constexpr, HAS_POS: tl.constexpr,
+                PREC: tl.constexpr):
+    """Partial ``sum phi(k)^T v`` ``(BD, BD)`` and ``sum phi(k)`` ``(BD,)`` of one token
+    chunk, batch element and head, stored at ``[chunk, b, h]``."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    B = tl.num_programs(1)
+    dcol = tl.arange(0, BD)
+    cols = h * D + dcol
+    cmask = dcol < D
+    kv = tl.zeros((BD, BD), tl.float32)
+    ks = tl.zeros((BD,), tl.float32)
+    k_b = k_ptr + b.to(tl.int64) * skb
+    v_b = v_ptr + b.to(tl.int64) * svb
+    start = s * chunk
+    end = tl.minimum(start + chunk, n)
+    for r0 in range(start, end, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        rmask = rows < end
+        m, nb, ny = _row_stats(k_b, pos_ptr, inv_s_ptr, rows * skn, rows * spn, rmask, C,
+                               skc, spc, HAS_POS, P, BLOCK_C)
+        msk = rmask[:, None] & cmask[None, :]
+        _, _, _, y = _head_features(k_b, pos_ptr, inv_s_ptr, rows * skn, rows * spn, msk, cols,
+                                    m, C, skc, spc, HAS_POS, P)
+        phi = y * (nb / ny)[:, None]
+        vv = tl.load(v_b + rows[:, None] * svn + cols[None, :] * svc, mask=msk,
+                     other=0.).to(tl.float32)
+        kv += tl.dot(tl.trans(phi), vv, input_precision=PREC)
+        ks += tl.sum(phi, axis=0)
+    part = (s * B + b) * H + h
+    tl.store(kv_ptr + part * BD * BD + dcol[:, None] * BD + dcol[None, :], kv)
+    tl.store(ks_ptr + part * BD + dcol, ks)
+
+
+@triton.jit
+def _fla_out_fwd(q_ptr, inv_s_ptr, kv_ptr, ks_ptr, o_ptr, N, C, inv_n,
+                 sqb, sqn, sqc, sob, son, soc,
+                 H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_C: tl.constexpr, P: tl.constexpr, PREC: tl.constexpr):
+    """``out = phi(q) KV / (phi(q) . mean(phi(k)) + 1e-6)`` of every head, for one block
+    of query tokens; ``kv_ptr`` / ``ks_ptr`` hold the (unscaled) sums ``(B, H, BD, BD)`` /
+    ``(B, H, BD)``."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    dcol = tl.arange(0, BD)
+    cmask = dcol < D
+    msk = rmask[:, None] & cmask[None, :]
+    q_b = q_ptr + b.to(tl.int64) * sqb
+    o_b = o_ptr + b.to(tl.int64) * sob
+    m, nb, ny = _row_stats(q_b, q_b, inv_s_ptr, rows * sqn, rows * sqn, rmask, C, sqc, sqc,
+                           False, P, BLOCK_C)
+    r = nb / ny
+    for h in range(H):
+        cols = h * D + dcol
+        _, _, _, y = _head_features(q_b, q_b, inv_s_ptr, rows * sqn, rows * sqn, msk, cols, m,
+                                    C, sqc, sqc, False, P)
+        phi = y * r[:, None]
+        hb = b * H + h
+        kv = tl.load(kv_ptr + hb * BD * BD + dcol[:, None] * BD + dcol[None, :]) * inv_n
+        km = tl.load(ks_ptr + hb * BD + dcol) * inv_n
+        num = tl.dot(phi, kv, input_precision=PREC)
+        den = tl.sum(phi * km[None, :], axis=1) + 1e-6
+        out = num / den[:, None]
+        tl.store(o_b + rows[:, None] * son + cols[None, :] * soc,
+                 _cast_rne(out, o_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _fla_q_bwd(q_ptr, g_ptr, inv_s_ptr, kv_ptr, ks_ptr, dphi_ptr, dkv_ptr, dks_ptr,
+               N, C, chunk, inv_n, sqb, sqn, sqc, sgb, sgn, sgc,
+               H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_C: tl.constexpr, P: tl.constexpr, PREC: tl.constexpr):
+    """Query side of the backward, one token chunk, batch element and head: writes
+    ``dL/dphi(q)`` (float32, contiguous ``(B, N, C)``) and partial ``dL/dKV`` and
+    ``dL/dmean`` (of the ``1/n``-scaled ``KV`` and ``mean``) at ``[chunk, b, h]``."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    B = tl.num_programs(1)
+    dcol = tl.arange(0, BD)
+    cols = h * D + dcol
+    cmask = dcol < D
+    hb = b * H + h
+    kv = tl.load(kv_ptr + hb * BD * BD + dcol[:, None] * BD + dcol[None, :]) * inv_n
+    km = tl.load(ks_ptr + hb * BD + dcol) * inv_n
+    dkv = tl.zeros((BD, BD), tl.float32)
+    dkm = tl.zeros((BD,), tl.float32)
+    q_b = q_ptr + b.to(tl.int64) * sqb
+    g_b = g_ptr + b.to(tl.int64) * sgb
+    dphi_b = dphi_ptr + b.to(tl.int64) * N * C
+    start = s * chunk
+    end = tl.minimum(start + chunk, N)
+    for r0 in range(start, end, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        rmask = rows < end
+        msk = rmask[:, None] & cmask[None, :]
+        m, nb, ny = _row_stats(q_b, q_b, inv_s_ptr, rows * sqn, rows * sqn, rmask, C, sqc,
+                               sqc, False, P, BLOCK_C)
+        _, _, _, y = _head_features(q_b, q_b, inv_s_ptr, rows * sqn, rows * sqn, msk, cols, m,
+                                    C, sqc, sqc, False, P)
+        phi = y * (nb / ny)[:, None]
+        num = tl.dot(phi, kv, input_precision=PREC)
+        den = tl.sum(phi * km[None, :], axis=1) + 1e-6
+        out = num / den[:, None]
+        g = tl.load(g_b + rows[:, None] * sgn + cols[None, :] * sgc, mask=msk,
+                    other=0.).to(tl.float32)
+        dnum = g / den[:, None]
+        dden = -tl.sum(g * out, axis=1) / den
+        dphi = tl.dot(dnum, tl.trans(kv), input_precision=PREC) + dden[:, None] * km[None, :]
+        tl.store(dphi_b + rows[:, None] * C + cols[None, :], dphi, mask=msk)
+        dkv += tl.dot(tl.trans(phi), dnum, input_precision=PREC)
+        dkm += tl.sum(dden[:, None] * phi, axis=0)
+    part = (s * B + b) * H + h
+    tl.store(dkv_ptr + part * BD * BD + dcol[:, None] * BD + dcol[None, :], dkv)
+    tl.store(dks_ptr + part * BD + dcol, dkm)
+
+
+@triton.jit
+def _fla_k_bwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, dkv_ptr, dks_ptr, dphi_ptr, dv_ptr,
+               n, C, inv_n, skb, skn, skc, spn, spc, svb, svn, svc, sdvb, sdvn, sdvc,
+               H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_C: tl.constexpr, P: tl.constexpr, HAS_POS: tl.constexpr,
+               PREC: tl.constexpr):
+    """Key side of the backward, one block of key tokens, batch element and head:
+    ``dphi(k) = (v dKV^T + dmean) / n`` (float32 ``(B, n, C)``) and ``dv = phi(k) dKV / n``."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n
+    dcol = tl.arange(0, BD)
+    cols = h * D + dcol
+    cmask = dcol < D
+    msk = rmask[:, None] & cmask[None, :]
+    hb = b * H + h
+    dkv = tl.load(dkv_ptr + hb * BD * BD + dcol[:, None] * BD + dcol[None, :])
+    dkm = tl.load(dks_ptr + hb * BD + dcol)
+    k_b = k_ptr + b.to(tl.int64) * skb
+    m, nb, ny = _row_stats(k_b, pos_ptr, inv_s_ptr, rows * skn, rows * spn, rmask, C, skc, spc,
+                           HAS_POS, P, BLOCK_C)
+    _, _, _, y = _head_features(k_b, pos_ptr, inv_s_ptr, rows * skn, rows * spn, msk, cols, m,
+                                C, skc, spc, HAS_POS, P)
+    phi = y * (nb / ny)[:, None]
+    vv = tl.load(v_ptr + b.to(tl.int64) * svb + rows[:, None] * svn + cols[None, :] * svc,
+                 mask=msk, other=0.).to(tl.float32)
+    dphi = (tl.dot(vv, tl.trans(dkv), input_precision=PREC) + dkm[None, :]) * inv_n
+    tl.store(dphi_ptr + b.to(tl.int64) * n * C + rows[:, None] * C + cols[None, :], dphi,
+             mask=msk)
+    dv = tl.dot(phi, dkv, input_precision=PREC) * inv_n
+    tl.store(dv_ptr + b.to(tl.int64) * sdvb + rows[:, None] * sdvn + cols[None, :] * sdvc,
+             _cast_rne(dv, dv_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _focus_bwd(x_ptr, pos_ptr, inv_s_ptr, dphi_ptr, dsp_ptr, N, C,
+               sxb, sxn, sxc, spn, spc,
+               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
+               HAS_POS: tl.constexpr):
+    """``dL/dphi`` -> ``dL/dx`` through the focusing function, for one block of tokens
+    (all channels). ``dphi_ptr`` (contiguous float32 ``(B, N, C)``) is overwritten with
+    ``dL/dx``; ``dsp_ptr[block, :]`` receives the block's ``sum dL/dbase * (ReLU(x)+1e-6)``
+    (the gradient of ``1 / softplus(scale)``)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    x_b = x_ptr + b.to(tl.int64) * sxb
+    d_b = dphi_ptr + b.to(tl.int64) * N * C
+    m, nb, ny = _row_stats(x_b, pos_ptr, inv_s_ptr, rows * sxn, rows * spn, rmask, C, sxc, spc,
+                           HAS_POS, P, BLOCK_C)
+    r = nb / ny
+    # dL/dr = dphi . y (over all channels)
+    dr = tl.zeros((BLOCK_N,), tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        msk = rmask[:, None] & (cols < C)[None, :]
+        _, _, _, y = _head_features(x_b, pos_ptr, inv_s_ptr, rows * sxn, rows * spn, msk, cols,
+                                    m, C, sxc, spc, HAS_POS, P)
+        dphi = tl.load(d_b + rows[:, None] * C + cols[None, :], mask=msk, other=0.)
+        dr += tl.sum(dphi * y, axis=1)
+    c_y = dr * r / (ny * ny)  # through ||y||
+    c_b = dr / (ny * nb)  # through ||base||
+    blk = b * tl.num_programs(0) + pid
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        msk = rmask[:, None] & (cols < C)[None, :]
+        x, base, t, y = _head_features(x_b, pos_ptr, inv_s_ptr, rows * sxn, rows * spn, msk,
+                                       cols, m, C, sxc, spc, HAS_POS, P)
+        dphi = tl.load(d_b + rows[:, None] * C + cols[None, :], mask=msk, other=0.)
+        dy = r[:, None] * dphi - c_y[:, None] * y
+        tp1 = tl.full(t.shape, 1., tl.float32)
+        for _ in tl.static_range(P - 1):
+            tp1 = tp1 * t
+        dbase = dy * (P * tp1) / m[:, None] + c_b[:, None] * base
+        dbase = tl.where(msk, dbase, 0.)
+        inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
+        dx = tl.where(x > 0., dbase * inv_s[None, :], 0.)
+        tl.store(d_b + rows[:, None] * C + cols[None, :], dx, mask=msk)
+        tl.store(dsp_ptr + blk * C + cols, tl.sum(dbase * (tl.maximum(x, 0.) + 1e-6), axis=0),
+                 mask=cols < C)
+
+
+# ----------------------------------------------------------------------------------------
+# launch helpers
+
+
+def _cfg(C: int, d: int) -> dict:
+    bd = max(16, triton.next_power_of_2(d))
+    return dict(BD=bd, BLOCK_N=16 if INTERPRETED else 64,
+                BLOCK_C=min(128, max(16, triton.next_power_of_2(C))),
+                PREC='tf32' if torch.backends.cuda.matmul.allow_tf32 else 'ieee')
+
+
+def _chunk(n: int, groups: int, block: int) -> Tuple[int, int]:
+    """Token chunk per program and number of chunks, so that ``groups * chunks`` fills the
+    GPU (about 512 programs) without tiny chunks."""
+    target = max(1, 512 // max(groups, 1))
+    chunks = max(1, min(triton.cdiv(n, block), target))
+    chunk = triton.cdiv(triton.cdiv(n, chunks), block) * block
+    return chunk, triton.cdiv(n, chunk)
+
+
+def _inv_softplus(scale: torch.Tensor) -> torch.Tensor:
+    return (1.0 / F.softplus(scale.detach().reshape(-1).float())).contiguous()
+
+
+def _pos_args(k_pos: Optional[torch.Tensor], like: torch.Tensor):
+    if k_pos is None:
+        return like, 0, 0, False
+    pos = k_pos.reshape(k_pos.shape[-2], k_pos.shape[-1])
+    return pos, pos.stride(0), pos.stride(1), True
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                 num_heads: int, focusing_factor: int,
+                 k_pos: Optional[torch.Tensor]) -> Optional[str]:
+    """Why the kernels cannot take these inputs (``None`` if they can)."""
+    if not (q.dim() == k.dim() == v.dim() == 3):
+        return f'q, k, v must be (B, N, C), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}'
+    B, N, C = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != C:
+        return f'k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}'
+    if k.shape[1] == 0 or N == 0 or B == 0:
+        return 'empty token set'
+    if scale.numel() != C:
+        return f'scale has {scale.numel()} entries, expected {C}'
+    if k_pos is not None and k_pos.numel() != k.shape[1] * C:
+        return f'k_pos {tuple(k_pos.shape)} does not match k {tuple(k.shape)}'
+    if C % num_heads:
+        return f'C={C} is not divisible by num_heads={num_heads}'
+    if C // num_heads > _MAX_HEAD_DIM:
+        return f'head dim {C // num_heads} > {_MAX_HEAD_DIM}'
+    if not isinstance(focusing_factor, int) or isinstance(focusing_factor, bool) or focusing_factor < 1:
+        return f'focusing_factor must be an int >= 1, got {focusing_factor!r}'
+    tensors = [t for t in (q, k, v, scale, k_pos) if t is not None]
+    bad = [t.dtype for t in (q, k, v) if t.dtype not in (torch.float32, torch.bfloat16,
+                                                          torch.float16)]
+    if bad:
+        return f'dtype {bad[0]} (the kernels take float32 / bfloat16 / float16)'
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return f'tensors on several devices {sorted(map(str, devices))}'
+    dev = devices.pop()
+    if dev.type == 'cpu':
+        if not INTERPRETED:
+            return ('CPU tensors need Triton\'s interpreter: set TRITON_INTERPRET=1 before '
+                    'flatten_mm.models.layers.focused_linear_attention_triton is imported')
+    elif dev.type != 'cuda':
+        return f'device {dev} (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)'
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# custom ops
+
+
+@torch.library.triton_op('flatten_mm::fla_core', mutates_args=())
+def _fla_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                 k_pos: Optional[torch.Tensor], num_heads: int,
+                 focusing_factor: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, N, C = q.shape
+    n = k.shape[1]
+    d = C // num_heads
+    cfg = _cfg(C, d)
+    bd = cfg['BD']
+    inv_s = _inv_softplus(scale)
+    pos, spn, spc, has_pos = _pos_args(k_pos, k)
+    chunk, chunks = _chunk(n, B * num_heads, cfg['BLOCK_N'])
+    kv_p = q.new_empty((chunks, B, num_heads, bd, bd), dtype=torch.float32)
+    ks_p = q.new_empty((chunks, B, num_heads, bd), dtype=torch.float32)
+    torch.library.wrap_triton(_fla_kv_fwd)[(chunks, B, num_heads)](
+        k, pos, v, inv_s, kv_p, ks_p, n, C, chunk, *k.stride(), spn, spc, *v.stride(),
+        H=num_heads, D=d, P=focusing_factor, HAS_POS=has_pos, **cfg)
+    kv = kv_p.sum(0)
+    ks = ks_p.sum(0)
+    out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
+    torch.library.wrap_triton(_fla_out_fwd)[(triton.cdiv(N, cfg['BLOCK_N']), B)](
+        q, inv_s, kv, ks, out, N, C, 1.0 / n, *q.stride(), *out.stride(),
+        H=num_heads, D=d, P=focusing_factor, **cfg)
+    return out, kv, ks
+
+
+@_fla_core_op.register_fake
+def _(q, k, v, scale, k_pos, num_heads, focusing_factor):
+    B, N, C = q.shape
+    bd = max(16, triton.next_power_of_2(C // num_heads))
+    return (q.new_empty((B, N, C), dtype=v.dtype),
+            q.new_empty((B, num_heads, bd, bd), dtype=torch.float32),
+            q.new_empty((B, num_heads, bd), dtype=torch.float32))
+
+
+@torch.library.triton_op('flatten_mm::fla_core_backward', mutates_args=())
+def _fla_core_backward_op(
+        grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor, ks: torch.Tensor,
+        num_heads: int, focusing_factor: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, N, C = q.shape
+    n = k.shape[1]
+    d = C // num_heads
+    cfg = _cfg(C, d)
+    bd, bn = cfg['BD'], cfg['BLOCK_N']
+    inv_s = _inv_softplus(scale)
+    pos, spn, spc, has_pos = _pos_args(k_pos, k)
+    # query side: dphi(q) and dKV, dmean (of the 1/n-scaled KV and mean)
+    chunk, chunks = _chunk(N, B * num_heads, bn)
+    dq = torch.empty((B, N, C), dtype=torch.float32, device=q.device)
+    dkv_p = q.new_empty((chunks, B, num_heads, bd, bd), dtype=torch.float32)
+    dks_p = q.new_empty((chunks, B, num_heads, bd), dtype=torch.float32)
+    torch.library.wrap_triton(_fla_q_bwd)[(chunks, B, num_heads)](
+        q, grad, inv_s, kv, ks, dq, dkv_p, dks_p, N, C, chunk, 1.0 / n, *q.stride(),
+        *grad.stride(), H=num_heads, D=d, P=focusing_factor, **cfg)
+    dkv = dkv_p.sum(0)
+    dks = dks_p.sum(0)
+    # key side: dphi(k), dv
+    dk = torch.empty((B, n, C), dtype=torch.float32, device=q.device)
+    dv = torch.empty((B, n, C), dtype=v.dtype, device=q.device)
+    torch.library.wrap_triton(_fla_k_bwd)[(triton.cdiv(n, bn), B, num_heads)](
+        k, pos, v, inv_s, dkv, dks, dk, dv, n, C, 1.0 / n, *k.stride(), spn, spc, *v.stride(),
+        *dv.stride(), H=num_heads, D=d, P=focusing_factor, HAS_POS=has_pos, **cfg)
+    # through the focusing function (in place: dphi -> dx)
+    bq, bk = triton.cdiv(N, bn), triton.cdiv(n, bn)
+    ds_q = q.new_empty((B * bq, C), dtype=torch.float32)
+    ds_k = q.new_empty((B * bk, C), dtype=torch.float32)
+    torch.library.wrap_triton(_focus_bwd)[(bq, B)](
+        q, q, inv_s, dq, ds_q, N, C, *q.stride(), 0, 0, BLOCK_N=bn, BLOCK_C=cfg['BLOCK_C'],
+        P=focusing_factor, HAS_POS=False)
+    torch.library.wrap_triton(_focus_bwd)[(bk, B)](
+        k, pos, inv_s, dk, ds_k, n, C, *k.stride(), spn, spc, BLOCK_N=bn,
+        BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=has_pos)
+    # d(1/softplus(s))/ds = -sigmoid(s) / softplus(s)^2
+    s = scale.detach().reshape(-1).float()
+    dscale = (ds_q.sum(0) + ds_k.sum(0)) * (-torch.sigmoid(s) * inv_s * inv_s)
+    dpos = dk.sum(0) if has_pos else dk.new_empty((0, ))
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dscale.to(scale.dtype), dpos
+
+
+@_fla_core_backward_op.register_fake
+def _(grad, q, k, v, scale, k_pos, kv, ks, num_heads, focusing_factor):
+    C = q.shape[2]
+    dpos = (k.new_empty(k.shape[1:], dtype=torch.float32) if k_pos is not None else
+            k.new_empty((0, ), dtype=torch.float32))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            scale.new_empty((C, )), dpos)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, k_pos, num_heads, focusing_factor = inputs
+    _, kv, ks = output
+    ctx.save_for_backward(q, k, v, scale, k_pos, kv, ks)
+    ctx.num_heads = num_heads
+    ctx.focusing_factor = focusing_factor
+    ctx.mark_non_differentiable(kv, ks)
+
+
+def _backward(ctx, grad_out, grad_kv, grad_ks):
+    q, k, v, scale, k_pos, kv, ks = ctx.saved_tensors
+    dq, dk, dv, dscale, dpos = torch.ops.flatten_mm.fla_core_backward(
+        grad_out, q, k, v, scale, k_pos, kv, ks, ctx.num_heads, ctx.focusing_factor)
+    dpos = dpos.reshape(k_pos.shape).to(k_pos.dtype) if k_pos is not None else None
+    return dq, dk, dv, dscale.reshape(scale.shape), dpos, None, None
+
+
+_fla_core_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                    num_heads: int, focusing_factor: int,
+                    k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``focused_linear_core`` by the fused kernels (differentiable in ``q, k, v, scale,
+    k_pos``; no double backward).
+
+    Args:
+        q: ``(B, N, C)`` queries (any strides), float32 / bfloat16 / float16.
+        k: ``(B, n, C)`` keys.
+        v: ``(B, n, C)`` values.
+        scale: raw ``(1, 1, C)`` scale parameter (``softplus`` applied inside).
+        num_heads: ``h`` (``C % h == 0``, head dim at most 128).
+        focusing_factor: integer power ``p >= 1``.
+        k_pos: optional ``(1, n, C)`` positional encoding added to the keys.
+
+    Returns:
+        ``(B, N, C)`` in the dtype of ``v`` (computed in float32).
+
+    Raises:
+        ValueError: inputs the kernels do not take (see ``check_inputs``).
+    """
+    why = check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos)
+    if why is not None:
+        raise ValueError(f'FLA Triton kernels: {why}')
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        out, _, _ = torch.ops.flatten_mm.fla_core(q, k, v, scale, k_pos, int(num_heads),
+                                                   int(focusing_factor))
+    return out
+
+
+__all__ = ['fla_core_triton', 'check_inputs', 'INTERPRETED']

@@ -1,0 +1,292 @@
+"""The fused Triton kernels of FLA (``focused_linear_attention_triton``) on the CPU, under
+Triton's interpreter: forward and gradients (q, k, v, scale, positional encoding) against
+the float64 formula and the PyTorch path, and the operator-level switch.
+
+Triton decides at decoration time (when the kernel module is imported) whether kernels are
+interpreted, so ``TRITON_INTERPRET=1`` is set before the import below; it is set again
+around each test (``_interpreter`` fixture) because the interpreter also reads it while a
+kernel runs, and removed afterwards so other test modules never see it. These tests are
+never skipped: without Triton the import fails.
+"""
+import operator
+import os
+
+_PREVIOUS = os.environ.get('TRITON_INTERPRET')
+os.environ['TRITON_INTERPRET'] = '1'
+import triton  # noqa: E402  (the kernels need it: fail, never skip, without it)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
+from flatten_mm.models.layers import focused_linear_attention_triton as fla_triton  # noqa: E402
+from flatten_mm.models.layers import (FocusedLinearAttention,  # noqa: E402
+                                      FocusedLinearAttentionQKV)
+
+if _PREVIOUS is None:
+    del os.environ['TRITON_INTERPRET']
+else:
+    os.environ['TRITON_INTERPRET'] = _PREVIOUS
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+    monkeypatch.delenv(fla.TRITON_ENV, raising=False)
+    yield
+
+
+def test_kernels_are_interpreted():
+    assert fla_triton.INTERPRETED, (
+        'the Triton kernel module was imported before TRITON_INTERPRET=1 was set (by another '
+        'test module of this process?): its kernels cannot run on CPU tensors')
+    assert triton.knobs.runtime.interpret
+
+
+def _rand(*shape, seed, scale=1.0):
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.float64)
+
+
+def _problem(B, N, n, C, with_pos, amp=1.0, seed=0):
+    """float64 q, k, v, raw scale and optional positional encoding."""
+    return (_rand(B, N, C, seed=seed + 1, scale=amp), _rand(B, n, C, seed=seed + 2, scale=amp),
+            _rand(B, n, C, seed=seed + 3), _rand(1, 1, C, seed=seed + 4, scale=0.5),
+            _rand(1, n, C, seed=seed + 5, scale=0.3) if with_pos else None)
+
+
+def _run(fn, inputs, grad_out):
+    """``fn(q, k, v, scale, pos)`` and the gradients of ``(out * grad_out).sum()`` w.r.t.
+    every input tensor (``pos`` included when present)."""
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None
+              for t in inputs]
+    out = fn(*leaves)
+    used = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(out, used, grad_out.to(out.dtype))
+    return out.detach(), [g.detach() for g in grads]
+
+
+def _reference(inputs, h, p):
+    """The formula step by step in float64 (``k + pos`` added outside)."""
+    def fn(q, k, v, s, pos):
+        return fla.focused_linear_core_reference(q, k if pos is None else k + pos, v, s, h, p)
+    return fn
+
+
+def _core(h, p, use_triton, dtype=torch.float32):
+    def fn(q, k, v, s, pos):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        return fla.focused_linear_core(q, k, v, s.float(), h, p,
+                                       k_pos=None if pos is None else pos.float(),
+                                       use_triton=use_triton)
+    return fn
+
+
+def _max_rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.abs().max().clamp_min(1.0)).item()
+
+
+# (B, H, W, key grid (None: = map), C, heads, p, with_pos)
+CASES = {
+    'odd-map-3-heads-pos': (2, 5, 7, None, 48, 3, 3, True),
+    'sr2-reduced-keys': (1, 6, 9, (3, 5), 32, 2, 3, True),  # N_q = 54 != N_kv = 15
+    'one-head-d24-p2': (1, 4, 5, None, 24, 1, 2, False),  # head dim not a power of two
+    'p4-8-heads': (1, 3, 4, (2, 2), 64, 8, 4, True),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_forward_and_gradients_match_float64(case):
+    """fp32 kernels within 1e-5 (relative to the largest value) of the float64 formula,
+    forward and every gradient; the fp32 PyTorch path is held to the same bound (observed:
+    both about 5e-7)."""
+    B, H, W, kv_grid, C, h, p, with_pos = CASES[case]
+    N = H * W
+    n = N if kv_grid is None else kv_grid[0] * kv_grid[1]
+    inputs = _problem(B, N, n, C, with_pos)
+    g = _rand(B, N, C, seed=9)
+    ref, ref_grads = _run(_reference(inputs, h, p), inputs, g)
+    out, grads = _run(_core(h, p, True), inputs, g)
+    torch_out, torch_grads = _run(_core(h, p, False), inputs, g)
+    assert out.dtype == torch.float32
+    names = ['q', 'k', 'v', 'scale', 'pos'][:len(grads)]
+    assert _max_rel(out, ref) < 1e-5 and _max_rel(torch_out, ref) < 1e-5
+    for name, a, t, r in zip(names, grads, torch_grads, ref_grads):
+        assert a.shape == r.shape, name
+        assert _max_rel(a, r) < 1e-5, (name, _max_rel(a, r))
+        assert _max_rel(t, r) < 1e-5, (name, _max_rel(t, r))
+
+
+def test_non_contiguous_inputs():
+    """q, k, v as the chunks of one ``qkv`` projection (row stride 3C) and a transposed
+    positional table: read through their strides, same results as contiguous copies."""
+    B, N, C, h = 2, 20, 32, 2
+    qkv = _rand(B, N, 3 * C, seed=1).float()
+    q, k, v = qkv.chunk(3, dim=-1)
+    pos = _rand(1, C, N, seed=2).float().transpose(1, 2)
+    scale = _rand(1, 1, C, seed=3).float()
+    assert not (q.is_contiguous() or pos.is_contiguous())
+    inputs = (q, k, v, scale, pos)
+    g = _rand(B, N, C, seed=4).float()
+    out, grads = _run(_core(h, 3, True), inputs, g)
+    ref, ref_grads = _run(_core(h, 3, True), [t.contiguous() for t in inputs], g)
+    assert torch.equal(out, ref)
+    for a, r in zip(grads, ref_grads):
+        assert torch.equal(a, r)
+    f64, f64_grads = _run(_reference(inputs, h, 3), [t.double() for t in inputs], g.double())
+    assert _max_rel(out, f64) < 1e-5
+    assert all(_max_rel(a, r) < 1e-5 for a, r in zip(grads, f64_grads))
+
+
+# unit roundoff of the output / gradient dtype: the kernels compute in float32, so the only
+# error beyond fp32 rounding is the final cast (|round(x) - x| <= u |x|).
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize('dtype,amp', [(torch.bfloat16, 1.0), (torch.float16, 30.0)])
+def test_half_inputs_accumulate_in_float32(dtype, amp):
+    """bf16 / fp16 inputs: every output and gradient element within one rounding of its
+    dtype (plus 1e-5 of the largest value) of the float64 formula on the same (rounded)
+    inputs -- a half-precision accumulation would be far off. ``amp=30`` makes
+    ``(q / softplus(s))^3`` exceed the fp16 range (65504) by orders of magnitude: no
+    overflow, no NaN."""
+    B, N, C, h = 1, 24, 32, 2
+    q, k, v, s, pos = _problem(B, N, N, C, True, amp=amp)
+    q, k, v = (t.to(dtype).double() for t in (q, k, v))  # the rounded inputs, exactly
+    if dtype == torch.float16:
+        assert ((q.clamp_min(0) / torch.nn.functional.softplus(s))**3).max() > 1e6
+    inputs = (q, k, v, s, pos)
+    g = _rand(B, N, C, seed=9).to(dtype).double()
+    ref, ref_grads = _run(_reference(inputs, h, 3), inputs, g)
+    out, grads = _run(_core(h, 3, True, dtype=dtype), inputs, g)
+    assert out.dtype == dtype and grads[0].dtype == torch.float64  # (cast back by .to)
+    u = _UNIT_ROUNDOFF[dtype]
+    for name, a, r in zip(['out', 'q', 'k', 'v', 'scale', 'pos'], [out] + grads,
+                          [ref] + ref_grads):
+        a = a.double()
+        assert torch.isfinite(a).all(), name
+        bound = u * r.abs() + 1e-5 * r.abs().max()
+        assert ((a - r).abs() <= bound).all(), (name, ((a - r).abs() - bound).max().item())
+
+
+def test_half_gradients_keep_input_dtypes():
+    """The gradients reaching bf16 q, k, v are bf16 (the cast is inside the op)."""
+    q, k, v = (_rand(1, 9, 16, seed=i).bfloat16().requires_grad_(True) for i in range(3))
+    s = torch.zeros(1, 1, 16, requires_grad=True)
+    out = fla.focused_linear_core(q, k, v, s, 1, 3, use_triton=True)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype, s.grad.dtype) == (
+        torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)
+
+
+def _count_kernel_calls(monkeypatch):
+    calls = []
+    real = fla_triton.fla_core_triton
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fla_triton, 'fla_core_triton', spy)
+    return calls
+
+
+def test_switches(monkeypatch):
+    """``use_triton=True`` runs the kernels; ``False``, ``None`` on CPU tensors and
+    ``FLATTEN_MM_TRITON=0`` (even with ``True``) run the PyTorch path."""
+    calls = _count_kernel_calls(monkeypatch)
+    q, k, v, s, _ = (t.float() if t is not None else None
+                     for t in _problem(1, 8, 8, 16, False))
+    ref = fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=True)
+    assert len(calls) == 1
+    for flag in (False, None):
+        out = fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=flag)
+        assert len(calls) == 1
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv(fla.TRITON_ENV, '0')
+    fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=True)
+    assert len(calls) == 1
+    monkeypatch.setenv(fla.TRITON_ENV, '1')
+    fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=True)
+    assert len(calls) == 2
+
+
+def test_forced_kernels_refuse_what_they_cannot_take():
+    q = torch.zeros(1, 4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match='float64'):
+        fla.focused_linear_core(q, q, q, torch.zeros(1, 1, 8), 2, 3, use_triton=True)
+    x = torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match='focusing_factor'):
+        fla.focused_linear_core(x, x, x, torch.zeros(1, 1, 8), 2, 1.5, use_triton=True)
+    with pytest.raises(ValueError, match='use_triton'):
+        FocusedLinearAttention(16, 2, use_triton='yes')
+
+
+def test_operators_with_kernels_match_pytorch_path(monkeypatch):
+    """FLatten-PVT's operator (sr_ratio 2: resized positional table, reduced keys) and
+    FLatten-Swin's windowed operator with ``use_triton=True`` give the outputs and parameter
+    gradients of ``use_triton=False``, and really ran the kernels."""
+    calls = _count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    pvt = FocusedLinearAttention(32, 2, sr_ratio=2, pretrain_hw_shape=(8, 8))
+    swin = FocusedLinearAttentionQKV(32, 2, window_size=4, shift=True, pretrain_hw_shape=(4, 4))
+    for m in (pvt, swin):
+        with torch.no_grad():
+            for prm in (m.scale, m.positional_encoding):
+                prm.normal_(0, 0.5)
+    x = torch.randn(2, 5 * 7, 32)
+    for m in (pvt, swin):
+        results = []
+        for flag in (True, False):
+            m.zero_grad()
+            m.use_triton = flag
+            out = m(x, (5, 7))
+            out.square().sum().backward()
+            results.append((out.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}))
+        (out_t, grads_t), (out_p, grads_p) = results
+        torch.testing.assert_close(out_t, out_p, rtol=1e-5, atol=1e-5)
+        for name in grads_p:
+            torch.testing.assert_close(grads_t[name], grads_p[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name: f'{n}: {m}')
+    assert len(calls) == 2  # one per operator (Swin's windows are folded into the batch)
+
+
+def test_backbone_attn_cfg_reaches_the_operator():
+    from flatten_mm.models.backbones import FLattenPVTv2
+    model = FLattenPVTv2(arch='b0', attn_cfg=dict(use_triton=False))
+    flags = {m.use_triton for m in model.modules() if isinstance(m, FocusedLinearAttention)}
+    assert flags == {False}
+
+
+def test_custom_op_registration():
+    """Schema, fake (meta) implementation and autograd registration of
+    ``flatten_mm::fla_core`` (``torch.library.opcheck``)."""
+    q, k, v, s, pos = (t.float() for t in _problem(1, 6, 6, 16, True))
+    for t in (q, k, v, s):
+        t.requires_grad_(True)
+    torch.library.opcheck(torch.ops.flatten_mm.fla_core.default, (q, k, v, s, pos, 2, 3),
+                          test_utils=('test_schema', 'test_autograd_registration',
+                                      'test_faketensor'))
+
+
+def test_dynamo_sees_one_node():
+    """``torch.compile`` captures the kernels as the single ``flatten_mm::fla_core`` node,
+    without graph break (the interpreter cannot run inductor / AOT tracing of Triton
+    kernels on CPU; ``tools/analysis/gpu_kernel_check.py`` compiles them on CUDA)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v, s, pos):
+        return fla.focused_linear_core(q, k, v, s, 2, 3, k_pos=pos, use_triton=True)
+
+    q, k, v, s, pos = (t.float() for t in _problem(1, 6, 6, 16, True))
+    out = torch.compile(f, backend=backend, fullgraph=True)(q, k, v, s, pos)
+    assert len(graphs) == 1
+    op = torch.ops.flatten_mm.fla_core
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == 'call_function'
+               and n.target is not operator.getitem and 'autocast' not in str(n.target)]
+    assert targets in ([op], [op.default]), targets  # nothing but the op
+    assert torch.equal(out, f(q, k, v, s, pos))
