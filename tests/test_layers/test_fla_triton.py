@@ -290,3 +290,51 @@ def test_dynamo_sees_one_node():
                and n.target is not operator.getitem and 'autocast' not in str(n.target)]
     assert targets in ([op], [op.default]), targets  # nothing but the op
     assert torch.equal(out, f(q, k, v, s, pos))
+
+
+# --------------------------------------------------------------------------- GPU check tool
+def _load_tool():
+    import importlib.util
+    import os.path as osp
+    path = osp.join(osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))),
+                    'tools', 'analysis', 'gpu_kernel_check.py')
+    spec = importlib.util.spec_from_file_location('gpu_kernel_check', path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_gpu_check_tool_arguments_and_refusal(tmp_path, monkeypatch, capsys):
+    """Argument parsing, and without CUDA exit code 2 with a message and nothing written."""
+    tool = _load_tool()
+    args = tool.parse_args(['--out', str(tmp_path)])
+    assert (args.batch, args.dtypes, args.kernels, args.device) == (8, ['fp32', 'bf16'],
+                                                                    ['fla'], 'cuda')
+    assert args.cases == list(tool.FLA_CASES)
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--out', str(tmp_path), '--cases', 'swin-t-stage1,nope'])
+    assert 'nope' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--out', str(tmp_path), '--dtypes', 'fp64'])
+    with pytest.raises(SystemExit):
+        tool.parse_args([])  # --out is required
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    out = tmp_path / 'out'
+    assert tool.main(['--out', str(out)]) == 2
+    assert 'CUDA' in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_gpu_check_tool_check_runs_interpreted(monkeypatch):
+    """The tool's per-case check on CPU (interpreted kernels, a tiny case): every error
+    record present, finite and passing."""
+    tool = _load_tool()
+    monkeypatch.setitem(tool.FLA_CASES, 'tiny', (4, 16, 2, 2))
+    args = tool.parse_args(['--out', 'unused', '--cases', 'tiny', '--batch', '1',
+                            '--no-timing'])
+    args.device = 'cpu'
+    for dtype in ('fp32', 'bf16'):
+        rec = tool.check_fla('tiny', dtype, args)
+        assert set(rec['errors']) == {'out', 'dq', 'dk', 'dv', 'dscale', 'dpos'}
+        assert rec['passed'], rec
+        assert (rec['tokens'], rec['keys']) == (16, 4)
