@@ -117,6 +117,25 @@ def test_forward_and_gradients_match_float64(case):
         assert _max_rel(t, r) < 1e-5, (name, _max_rel(t, r))
 
 
+def test_extreme_activations_stay_exact():
+    """Activations of 1e6 with p = 5 (``||base^p||`` ~ 1e33, its square overflows float32)
+    and tokens whose channels are all negative (``base`` = the 1e-6 floor, ``base^5`` ~
+    1e-30): the kernels scale by the token's largest entry before the power, so forward and
+    gradients still match the float64 formula to 1e-5."""
+    B, N, C, h, p = 1, 12, 16, 2, 5
+    q, k, v, s, pos = _problem(B, N, N, C, True, amp=1e6)
+    q[0, :3] = -q[0, :3].abs()
+    k[0, 4:6] = -k[0, 4:6].abs() - 1e6  # (pos of 0.3 cannot lift them above 0)
+    inputs = (q, k, v, s, pos)
+    g = _rand(B, N, C, seed=9)
+    ref, ref_grads = _run(_reference(inputs, h, p), inputs, g)
+    assert torch.isfinite(ref).all() and all(torch.isfinite(r).all() for r in ref_grads)
+    out, grads = _run(_core(h, p, True), inputs, g)
+    assert _max_rel(out, ref) < 1e-5
+    for name, a, r in zip(['q', 'k', 'v', 'scale', 'pos'], grads, ref_grads):
+        assert _max_rel(a, r) < 1e-5, (name, _max_rel(a, r))
+
+
 def test_non_contiguous_inputs():
     """q, k, v as the chunks of one ``qkv`` projection (row stride 3C) and a transposed
     positional table: read through their strides, same results as contiguous copies."""
