@@ -42,13 +42,22 @@ from .fastpath import check_fast_paths, compile_report
 from .ops import (OPS, QUADRATIC_OPS, make_op, op_exponents, quadtree_levels,
                   relu_linear_attention, run_op_benchmark, run_sima_order_grid)
 from .output import (BACKBONE_COLUMNS, CSV_COLUMNS, OP_COLUMNS, RATIO_COLUMNS, SIMA_COLUMNS,
-                     format_table, read_csv, write_csv)
+                     STEP_COLUMNS, STEP_RATIO_COLUMNS, format_table, markdown_ratio_table,
+                     read_csv, write_csv)
 from .plots import plot_scaling
+from .profiling import KERNEL_COLUMNS, PROFILE_COLUMNS, profile_backbone, run_profile
 from .timing import Timing, fit_exponent, measure_alternating, peak_memory_bytes
+from .train import (EXECS, STEPS, TRAIN_RESOLUTIONS, WHOLE_MODEL_PAIRS, backbone_step,
+                    output_loss, run_step_benchmark, run_whole_model_benchmark,
+                    step_ratio_rows, whole_model_pairs)
 
 __all__ = [
-    'BACKBONE_COLUMNS', 'BACKBONE_PAIRS', 'CSV_COLUMNS', 'OPS', 'OP_COLUMNS', 'QUADRATIC_OPS',
-    'RATIO_COLUMNS', 'RESOLUTIONS', 'SIMA_COLUMNS', 'BackboneCase', 'Timing',
+    'BACKBONE_COLUMNS', 'BACKBONE_PAIRS', 'CSV_COLUMNS', 'EXECS', 'KERNEL_COLUMNS', 'OPS',
+    'OP_COLUMNS', 'PROFILE_COLUMNS', 'QUADRATIC_OPS', 'RATIO_COLUMNS', 'RESOLUTIONS',
+    'SIMA_COLUMNS', 'STEPS', 'STEP_COLUMNS', 'STEP_RATIO_COLUMNS', 'TRAIN_RESOLUTIONS',
+    'WHOLE_MODEL_PAIRS', 'BackboneCase', 'Timing', 'backbone_step', 'markdown_ratio_table',
+    'output_loss', 'profile_backbone', 'run_profile', 'run_step_benchmark',
+    'run_whole_model_benchmark', 'step_ratio_rows', 'whole_model_pairs',
     'backbone_cases', 'check_fast_paths', 'compile_report', 'environment', 'fit_exponent',
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',

@@ -201,17 +201,20 @@ def _backbone_call(case: BackboneCase, model: nn.Module, x: torch.Tensor,
 
 
 def ratio_rows(rows: Sequence[Dict[str, Any]],
-               pairs: Optional[Dict[str, Sequence[str]]] = None) -> List[Dict[str, Any]]:
+               pairs: Optional[Dict[str, Sequence[str]]] = None,
+               suite: str = 'backbone') -> List[Dict[str, Any]]:
     """Ours / baseline latency ratios of every family and resolution.
 
     ``ratio_median`` = median(ours) / median(baseline); ``ratio_min`` = min / min;
     ``ratio_rounds`` = median over the alternating rounds of the per-round ratio;
     ``ratio_cpu`` = ratio of the median process CPU times (CPU only; with one thread the
-    measure least disturbed by other processes on a shared machine).
+    measure least disturbed by other processes on a shared machine). Rows of ``suite``
+    are paired within their ``group`` (``'<ours>@<H>x<W>...'``); the ours row's ``batch``,
+    ``step``, ``exec``, ``amp`` and ``kernels`` are carried over when present.
     """
     by_group: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for r in rows:
-        if r.get('suite') == 'backbone' and r.get('median_ms') is not None:
+        if r.get('suite') == suite and r.get('median_ms') is not None:
             by_group.setdefault(r['group'], {})[r['name']] = r
     out = []
     for group, members in by_group.items():
@@ -236,6 +239,12 @@ def ratio_rows(rows: Sequence[Dict[str, Any]],
                             mem_ratio=(o['peak_mem_mb'] / base['peak_mem_mb']
                                        if o.get('peak_mem_mb') and base.get('peak_mem_mb')
                                        else None)))
+            for key in ('batch', 'step', 'exec', 'amp', 'kernels'):
+                if key in o:
+                    out[-1][key] = o[key]
+            if 'step' in o:  # the step suites also keep both memories
+                out[-1].update(ours_mem_mb=o.get('peak_mem_mb'),
+                               baseline_mem_mb=base.get('peak_mem_mb'))
     return out
 
 

@@ -86,3 +86,68 @@ SIMA_COLUMNS = (('tokens', 'N'), ('head_dims', 'd'), ('chosen', 'auto picks'),
                 ('auto_min_ms', 'auto ms'), ('auto_vs_best', 'auto / best (min)'),
                 ('auto_vs_best_median', 'auto / best (median)'),
                 ('chosen_vs_best', 'picked order / best'))
+
+
+STEP_COLUMNS = (('name', 'model'), ('step', 'step'), ('exec', 'exec'), ('amp', 'amp'),
+                ('height', 'H'), ('width', 'W'), ('median_ms', 'median ms'),
+                ('min_ms', 'min ms'), ('images_per_s', 'img/s'), ('peak_mem_mb', 'peak MiB'),
+                ('note', 'note'))
+STEP_RATIO_COLUMNS = (('ours', 'ours'), ('baseline', 'baseline'), ('step', 'step'),
+                      ('exec', 'exec'), ('amp', 'amp'), ('height', 'H'), ('width', 'W'),
+                      ('ours_ms', 'ours ms'), ('baseline_ms', 'baseline ms'),
+                      ('ratio_median', 'ratio (medians)'),
+                      ('ratio_rounds', 'ratio (per round)'),
+                      ('ours_mem_mb', 'ours MiB'), ('baseline_mem_mb', 'baseline MiB'),
+                      ('mem_ratio', 'memory ratio'))
+
+
+def markdown_ratio_table(ratios: Sequence[Dict[str, Any]]) -> str:
+    """README-style pivot tables of ratio rows: one table per (step, exec, amp, kernels,
+    batch, device), one line per ``ours vs baseline`` pair, one column per input size;
+    a cell is ``ratio (ours ms / baseline ms)``, plus ``mem x`` (peak-memory ratio)
+    when both peaks are known.
+
+    ``ratios`` are the dicts of ``ratio_rows`` / ``step_ratio_rows`` or the ``ratio``
+    rows of a CSV written by the benchmark tool (``read_csv``).
+    """
+    sections: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for r in ratios:
+        if r.get('ratio_median') is None:
+            continue
+        key = tuple(str(r.get(k) or '') for k in ('step', 'exec', 'amp', 'kernels', 'batch',
+                                                  'device'))
+        sections.setdefault(key, []).append(r)
+    out = []
+    for (step, ex, amp, kernels, batch, device), rows in sections.items():
+        title = ', '.join(t for t in (
+            f'{step or "forward"} step' if step else 'forward (inference)', ex, amp,
+            f'FLATTEN_MM_TRITON={kernels}' if kernels else '',
+            f'batch {batch}' if batch else '', device) if t)
+        sizes = []
+        for r in rows:
+            size = (int(r['height']), int(r['width']))
+            if size not in sizes:
+                sizes.append(size)
+        pairs: Dict[Tuple[str, str], Dict[Tuple[int, int], Dict[str, Any]]] = {}
+        for r in rows:
+            pairs.setdefault((r['ours'], r['baseline']), {})[(int(r['height']),
+                                                             int(r['width']))] = r
+        lines = [f'**{title}** (ours / baseline: ratio of medians, ms in brackets)', '',
+                 '| ours vs | ' + ' | '.join(f'{h}²' if h == w else f'{h}×{w}'
+                                             for h, w in sizes) + ' |',
+                 '| --- |' + ' --- |' * len(sizes)]
+        for (ours, base), cells in pairs.items():
+            text = []
+            for s in sizes:
+                c = cells.get(s)
+                if c is None:
+                    text.append('-')
+                    continue
+                cell = (f'{_fmt(c["ratio_median"], ".2f")} ({_fmt(c.get("ours_ms"))} / '
+                        f'{_fmt(c.get("baseline_ms"))})')
+                if c.get('mem_ratio') is not None:
+                    cell += f', mem {_fmt(c["mem_ratio"], ".2f")}'
+                text.append(cell)
+            lines.append(f'| {ours} vs {base} | ' + ' | '.join(text) + ' |')
+        out.append('\n'.join(lines))
+    return '\n\n'.join(out)

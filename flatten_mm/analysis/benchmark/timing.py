@@ -30,13 +30,18 @@ class Timing:
         return min(self.wall)
 
 
+def _grad_mode(grad: bool):
+    return torch.enable_grad() if grad else torch.no_grad()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
 
 
 def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.device,
-                        warmup: int = 2, repeats: int = 10) -> Dict[str, Timing]:
+                        warmup: int = 2, repeats: int = 10,
+                        grad: bool = False) -> Dict[str, Timing]:
     """Time callables round-robin: ``warmup`` untimed rounds, then ``repeats`` rounds
     in which every case runs once (in turn).
 
@@ -47,13 +52,14 @@ def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.devic
         device: where the callables run (CUDA: timed with CUDA events).
         warmup: untimed rounds.
         repeats: timed rounds.
+        grad: run with autograd enabled (training steps); default ``torch.no_grad()``.
 
     Returns:
         name -> ``Timing`` with ``repeats`` entries.
     """
     device = torch.device(device)
     timings = {name: Timing() for name in cases}
-    with torch.no_grad():
+    with _grad_mode(grad):
         for _ in range(warmup):
             for fn in cases.values():
                 fn()
@@ -81,15 +87,17 @@ def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.devic
     return timings
 
 
-def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
+def peak_memory_bytes(fn: Callable[[], Any], device: torch.device,
+                      grad: bool = False) -> Optional[int]:
     """Peak memory allocated during one call of ``fn`` (inputs excluded, output included).
 
     CUDA: the caching allocator's peak above the memory allocated before the call.
     CPU: the running peak of the allocations and frees recorded by the PyTorch profiler
-    (``profile_memory=True``). ``None`` if it cannot be measured.
+    (``profile_memory=True``). ``None`` if it cannot be measured. ``grad``: call with
+    autograd enabled (a training step) instead of under ``torch.no_grad()``.
     """
     device = torch.device(device)
-    with torch.no_grad():
+    with _grad_mode(grad):
         if device.type == 'cuda':
             _sync(device)
             torch.cuda.reset_peak_memory_stats(device)

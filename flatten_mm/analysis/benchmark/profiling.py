@@ -1,0 +1,323 @@
+"""Profile of one forward + backward of a backbone: top kernels, launches, bytes moved.
+
+What decides a GPU backbone's speed at detection sizes is often not arithmetic but the
+number of kernels it launches and how many times its activations go through memory. One
+training forward + backward (after one untimed warm-up step) is recorded twice:
+
+1. under ``torch.profiler`` (CPU activity, plus CUDA on CUDA devices), forward and
+   backward in two separate sessions:
+
+   * **launches** -- CUDA: the device kernels (and memcpy / memset) of the session;
+     CPU: the *top-level* ``aten::`` ops (those with no ``aten::`` op above them), the
+     count that stands for kernel launches on a GPU (issue #13);
+   * **top kernels** -- the ``n`` names with the largest self time (CUDA: device self
+     time; CPU: CPU self time) over forward + backward, with calls and share of total;
+
+2. under a ``TorchDispatchMode`` that sees every aten op below autograd (forward and
+   backward), to estimate the **bytes moved**: every op that is not a view reads its
+   tensor inputs and writes its tensor outputs once, so
+
+   ``moved = sum over non-view aten ops of (bytes of tensor inputs + bytes of outputs)``
+
+   (an unfused kernel's traffic, no reuse through caches), split into the whole step and
+   the part run inside attention modules' forward. The **ideal** of the attention is what
+   one fused kernel per attention layer would move:
+
+   ``ideal = sum over attention layers of (bytes of its input activations + bytes of
+   its output)``
+
+   (the module's tensor arguments and results, parameters excluded), and
+   ``attn_bytes_ratio = attention moved / ideal`` (forward only: backward ops are not
+   attributed to modules).
+
+``blocks`` counts the outermost modules whose class name ends with ``Block`` or
+``EncoderLayer`` (ours: ``PVTBlock``, ``PreNormBlock``, ``XCiTBlock``; timm ``Block``,
+``SwinTransformerBlock``, ``XCABlock``; mmdet ``PVTEncoderLayer``, ``SwinBlock``) that
+ran; attention layers are the outermost modules whose class name contains ``Attention``
+or ends with ``MSA`` / ``XCA`` / ``QKV`` and that ran. ``*_per_block`` = launches /
+blocks.
+"""
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .train import _autocast, make_optimizer, output_loss
+
+_BLOCK = re.compile(r'(Block|EncoderLayer)$')
+_ATTN = re.compile(r'Attention|MSA$|^XCA$|QKV$')
+#: aten ops that move no data (views, metadata)
+_VIEW_OPS = frozenset((
+    'view', '_unsafe_view', 'reshape', 'transpose', 't', 'permute', 'expand', 'as_strided',
+    'slice', 'select', 'unsqueeze', 'squeeze', 'split', 'split_with_sizes', 'unbind',
+    'chunk', 'alias', 'detach', 'narrow', 'view_as', 'expand_as', 'unflatten', 'flatten',
+    'diagonal', 'lift_fresh', 'empty', 'empty_strided', 'empty_like', 'new_empty',
+    'new_empty_strided', 'sym_size', 'sym_stride', 'sym_numel', 'sym_storage_offset',
+    'is_same_size', 'set_', 'resize_', 'conj', '_reshape_alias', 'contiguous',
+    'size', 'stride', 'dim', 'numel', 'is_contiguous'))
+
+
+def _outermost(model: nn.Module, pattern) -> List[nn.Module]:
+    found: List[nn.Module] = []
+
+    def visit(m: nn.Module):
+        if pattern.search(type(m).__name__):
+            found.append(m)
+            return
+        for c in m.children():
+            visit(c)
+    visit(model)
+    return found
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+class _BytesCounter:
+    """Dispatch mode counting non-view aten ops and their input + output bytes, split into
+    'inside an attention forward' and everything."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if name not in _VIEW_OPS and name.rstrip('_') not in _VIEW_OPS:
+                    moved = (_tensor_bytes(args) + _tensor_bytes(kwargs or {})
+                             + _tensor_bytes(out))
+                    counter.ops += 1
+                    counter.bytes += moved
+                    if counter.depth > 0:
+                        counter.attn_ops += 1
+                        counter.attn_bytes += moved
+                return out
+
+        self.mode = Mode()
+        self.reset()
+
+    def reset(self):
+        self.ops = self.bytes = self.attn_ops = self.attn_bytes = 0
+        self.depth = 0
+
+
+def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: torch.Tensor,
+                     amp: Optional[torch.dtype] = None, top: int = 15
+                     ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Profile one training forward + backward of ``model`` on ``x`` (see module doc).
+
+    Args:
+        model: the backbone (put in train mode).
+        run: ``x -> outputs`` (e.g. ``model``, or timm's ``forward_intermediates``).
+        x: input ``(B, 3, H, W)`` on the device to profile.
+        amp: autocast dtype or ``None``.
+        top: how many kernels to list.
+
+    Returns:
+        ``(summary, kernels)``: summary has ``fwd_launches``, ``bwd_launches``,
+        ``blocks``, ``attention_layers``, ``fwd_per_block``, ``bwd_per_block``,
+        ``fwd_ms`` / ``bwd_ms`` (profiled self time, device time on CUDA),
+        ``dispatch_ops_fwd`` / ``_bwd`` (non-view aten ops seen by the dispatch mode),
+        ``moved_mb_fwd`` / ``_bwd``, ``attn_moved_mb``, ``attn_ideal_mb``,
+        ``attn_bytes_ratio``, ``launch_unit``; kernels is a list of ``dict(kernel,
+        calls, self_ms, share)``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = x.device
+    cuda = device.type == 'cuda'
+    model.train()
+    opt = make_optimizer(model)
+
+    def forward():
+        with _autocast(device, amp):
+            return run(x)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    # warm-up: one whole step (allocator, cuDNN / Triton autotuning, lazy inits)
+    opt.zero_grad(set_to_none=True)
+    output_loss(forward()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync()
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof_f:
+        loss = output_loss(forward())
+        sync()
+    with profile(activities=activities) as prof_b:
+        loss.backward()
+        sync()
+    opt.zero_grad(set_to_none=True)
+    del loss
+
+    # bytes moved, and which blocks / attention layers ran
+    counter = _BytesCounter()
+    ideal = [0]
+    ran_blocks, ran_attn = set(), set()
+    hooks = []
+    for blk in _outermost(model, _BLOCK):
+        hooks.append(blk.register_forward_hook(
+            lambda m, a, o: ran_blocks.add(id(m))))
+    for att in _outermost(model, _ATTN):
+
+        def pre(m, args, kwargs):
+            counter.depth += 1
+
+        def post(m, args, kwargs, out):
+            counter.depth -= 1
+            ran_attn.add(id(m))
+            ideal[0] += _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
+
+        hooks.append(att.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(att.register_forward_hook(post, with_kwargs=True))
+    try:
+        with counter.mode:
+            loss = output_loss(forward())
+        ops_f, bytes_f, attn_bytes = counter.ops, counter.bytes, counter.attn_bytes
+        counter.reset()
+        with counter.mode:
+            loss.backward()
+        ops_b, bytes_b = counter.ops, counter.bytes
+    finally:
+        for h in hooks:
+            h.remove()
+    opt.zero_grad(set_to_none=True)
+
+    blocks, attn = len(ran_blocks), len(ran_attn)
+    fwd_l, fwd_ms = _launches(prof_f, cuda)
+    bwd_l, bwd_ms = _launches(prof_b, cuda)
+    summary = dict(
+        fwd_launches=fwd_l, bwd_launches=bwd_l, total_launches=fwd_l + bwd_l,
+        blocks=blocks, attention_layers=attn,
+        fwd_per_block=fwd_l / blocks if blocks else None,
+        bwd_per_block=bwd_l / blocks if blocks else None,
+        fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+        dispatch_ops_fwd=ops_f, dispatch_ops_bwd=ops_b,
+        moved_mb_fwd=bytes_f / 2**20, moved_mb_bwd=bytes_b / 2**20,
+        attn_moved_mb=attn_bytes / 2**20, attn_ideal_mb=ideal[0] / 2**20,
+        attn_bytes_ratio=attn_bytes / ideal[0] if ideal[0] else None,
+        launch_unit='device kernels' if cuda else 'top-level aten ops')
+    return summary, _top_kernels([prof_f, prof_b], cuda, top)
+
+
+def _is_device_event(evt) -> bool:
+    return getattr(evt, 'device_type', None) == torch.autograd.DeviceType.CUDA
+
+
+def _launches(prof, cuda: bool) -> Tuple[int, float]:
+    """(launches, self milliseconds) of one profiler session (see module doc)."""
+    events = prof.events()
+    if cuda:
+        dev = [e for e in events if _is_device_event(e)]
+        return len(dev), sum(e.device_time_total for e in dev) / 1e3
+
+    def has_aten_ancestor(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name.startswith('aten::'):
+                return True
+            p = p.cpu_parent
+        return False
+
+    top = [e for e in events if e.name.startswith('aten::') and not _is_device_event(e)
+           and not has_aten_ancestor(e)]
+    return len(top), sum(e.self_cpu_time_total for e in events
+                         if not _is_device_event(e)) / 1e3
+
+
+def _top_kernels(profs: Sequence[Any], cuda: bool, top: int) -> List[Dict[str, Any]]:
+    totals: Dict[str, List[float]] = {}
+    for prof in profs:
+        for e in prof.events():
+            if cuda:
+                if not _is_device_event(e):
+                    continue
+                t = e.device_time_total
+            else:
+                if _is_device_event(e) or not e.name.startswith('aten::'):
+                    continue
+                t = e.self_cpu_time_total
+            entry = totals.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += t
+    whole = sum(v[1] for v in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(kernel=name, calls=calls, self_ms=us / 1e3, share=us / whole)
+            for name, (calls, us) in ranked]
+
+
+def run_profile(pairs: Dict[str, Sequence[str]], hw: Tuple[int, int] = (512, 512),
+                batch: int = 2, device: str = 'cpu', amp: Optional[torch.dtype] = None,
+                top: int = 15, quick: bool = False,
+                log: Optional[Callable[[str], None]] = None
+                ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """``profile_backbone`` for ours and the baselines of every family in ``pairs``.
+
+    Returns:
+        ``(summary rows, kernel rows)``, both with ``suite`` (``'profile'`` /
+        ``'profile_kernel'``), ``name``, ``device``, ``amp``, ``batch``, ``height``,
+        ``width``; a model that fails gets a summary row with ``note``.
+    """
+    from .cases import backbone_cases
+    from .train import kernels_setting
+    device_ = torch.device(device)
+    available = backbone_cases(quick)
+    amp_name = 'fp32' if amp in (None, torch.float32) else str(amp).replace('torch.', '')
+    names: List[str] = []
+    for ours, baselines in pairs.items():
+        for n in (ours, *baselines):
+            if n in available and n not in names:
+                names.append(n)
+    summaries, kernels = [], []
+    for name in names:
+        base = dict(name=name, device=str(device_), amp=amp_name, batch=batch,
+                    height=hw[0], width=hw[1], kernels=kernels_setting(),
+                    source=available[name].source)
+        try:
+            torch.manual_seed(0)
+            model = available[name].build(tuple(hw)).to(device_)
+            x = torch.randn(batch, 3, *hw, device=device_)
+            summary, top_k = profile_backbone(
+                model, lambda t, m=model, c=available[name]: c.run(m, t), x, amp, top)
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            summaries.append(dict(base, suite='profile',
+                                  note=f'error: {type(err).__name__}: {str(err)[:200]}'))
+            continue
+        finally:
+            if device_.type == 'cuda':
+                torch.cuda.empty_cache()
+        summaries.append(dict(base, suite='profile', **summary))
+        kernels += [dict(base, suite='profile_kernel', rank=i + 1, **k)
+                    for i, k in enumerate(top_k)]
+        if log is not None:
+            log(f'profile {name}: {summary["fwd_launches"]} / {summary["bwd_launches"]} '
+                f'launches (fwd / bwd), {summary["blocks"]} blocks')
+    return summaries, kernels
+
+
+PROFILE_COLUMNS = (('name', 'backbone'), ('amp', 'amp'), ('fwd_launches', 'launches fwd'),
+                   ('bwd_launches', 'launches bwd'), ('blocks', 'blocks'),
+                   ('fwd_per_block', 'fwd / block'), ('bwd_per_block', 'bwd / block'),
+                   ('dispatch_ops_fwd', 'aten ops fwd'), ('dispatch_ops_bwd', 'aten ops bwd'),
+                   ('fwd_ms', 'fwd ms'), ('bwd_ms', 'bwd ms'),
+                   ('moved_mb_fwd', 'moved MiB fwd'), ('moved_mb_bwd', 'moved MiB bwd'),
+                   ('attn_moved_mb', 'attn moved MiB'), ('attn_ideal_mb', 'attn ideal MiB'),
+                   ('attn_bytes_ratio', 'attn moved / ideal'), ('note', 'note'))
+KERNEL_COLUMNS = (('name', 'backbone'), ('rank', '#'), ('kernel', 'kernel / op'),
+                  ('calls', 'calls'), ('self_ms', 'self ms'), ('share', 'share'))
