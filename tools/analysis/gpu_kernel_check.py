@@ -17,6 +17,11 @@ and plain ReLU linear attention of the same shape are recorded (CUDA events).
 
 Writes ``<out>/gpu_kernel_check.json`` (device, versions, date, one record per case) and
 exits 1 if a check failed, 2 without a CUDA device (nothing is written then).
+
+``--aot 90`` (no GPU needed) instead compiles every kernel as the launches of each case and
+dtype would, for that compute capability, down to the cubin with Triton's bundled ``ptxas``,
+and records registers and spills per kernel (``<out>/gpu_kernel_aot.json``; exit 1 if a
+kernel fails to compile). Run it without ``TRITON_INTERPRET``.
 """
 import argparse
 import datetime
@@ -38,6 +43,7 @@ FLA_CASES = {
     'pvt-v2-b0-stage1': (128, 32, 1, 8),
     'pvt-v2-b0-stage2': (64, 64, 2, 4),
     'pvt-v2-b0-stage4': (16, 256, 8, 1),
+    'pvt-t-stage1': (128, 64, 1, 8),  # FLatten-PVT: head dim 64
     'swin-t-stage1': (128, 96, 3, 1),
     'swin-t-stage2': (64, 192, 6, 1),
     'cswin-t-branch1': (128, 32, 1, 1),
@@ -61,6 +67,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--no-timing', action='store_true')
     parser.add_argument('--reps', type=int, default=20, help='timed repetitions')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--aot', type=int, metavar='SM', default=None,
+                        help='compile only, for compute capability SM (e.g. 90); no GPU needed')
     args = parser.parse_args(argv)
     args.kernels = _choices(args.kernels, KERNELS, 'kernel', parser)
     args.cases = _choices(args.cases, FLA_CASES, 'case', parser)
@@ -187,8 +195,77 @@ def check_fla(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
 CHECKS = {'fla': (check_fla, lambda args: args.cases)}
 
 
+def _ptxas_stats(ptx: str, sm: int) -> Dict:
+    """Registers and spill bytes of one kernel by Triton's bundled ``ptxas -v``."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    ptxas = osp.join(osp.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
+    arch = f'sm_{sm}a' if sm >= 90 else f'sm_{sm}'
+    with tempfile.TemporaryDirectory() as tmp:
+        path = osp.join(tmp, 'k.ptx')
+        with open(path, 'w') as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, f'-arch={arch}', '-v', path, '-o', osp.join(tmp, 'k.o')],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    regs = re.search(r'Used (\d+) registers', text)
+    spills = re.search(r'(\d+) bytes spill stores, (\d+) bytes spill loads', text)
+    return dict(registers=int(regs.group(1)) if regs else None,
+                spill_store_bytes=int(spills.group(1)) if spills else None,
+                spill_load_bytes=int(spills.group(2)) if spills else None)
+
+
+def aot_compile(args: argparse.Namespace) -> int:
+    """``--aot``: compile every kernel of every case / dtype for ``args.aot``; JSON report."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flatten_mm.models.layers import focused_linear_attention_triton as fla_triton
+    if fla_triton.INTERPRETED:
+        print('gpu_kernel_check --aot: unset TRITON_INTERPRET (the kernels are interpreted)',
+              file=sys.stderr)
+        return 2
+    records = []
+    for case in args.cases:
+        _, C, h, _ = FLA_CASES[case]
+        for dtype_name in args.dtypes:
+            for name, fn, sig, const, options in fla_triton.aot_specs(C, h, 3, DTYPES[dtype_name]):
+                rec = dict(kernel='fla', case=case, dtype=dtype_name, function=name,
+                           constexprs={k: v for k, v in const.items()}, options=options)
+                try:
+                    compiled = triton.compile(ASTSource(fn, sig, const),
+                                              target=GPUTarget('cuda', args.aot, 32),
+                                              options=options)
+                    rec.update(passed=True, cubin_bytes=len(compiled.asm['cubin']),
+                               shared_bytes=compiled.metadata.shared,
+                               **_ptxas_stats(compiled.asm['ptx'], args.aot))
+                except Exception as e:  # report every failing kernel, not just the first
+                    rec.update(passed=False, error=f'{type(e).__name__}: {e}'[:2000])
+                print(f"{case:20s} {dtype_name:5s} {name:13s} "
+                      + (f"ok   regs={rec['registers']} spills={rec['spill_store_bytes']}"
+                         if rec['passed'] else 'FAIL ' + rec['error'].splitlines()[0]),
+                      flush=True)
+                records.append(rec)
+    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+                  target=f'cuda sm_{args.aot}', torch=torch.__version__,
+                  triton=triton.__version__, argv=sys.argv[1:],
+                  passed=all(r['passed'] for r in records), records=records)
+    os.makedirs(args.out, exist_ok=True)
+    path = osp.join(args.out, 'gpu_kernel_aot.json')
+    with open(path, 'w') as f:
+        json.dump(report, f, indent=1)
+    print(f"{'all compiled' if report['passed'] else 'FAILED'}; wrote {path}")
+    return 0 if report['passed'] else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.aot is not None:
+        return aot_compile(args)
     if not torch.cuda.is_available():
         print('gpu_kernel_check: needs a CUDA device (torch.cuda.is_available() is False); '
               'the CPU tests run the kernels under TRITON_INTERPRET=1 instead '

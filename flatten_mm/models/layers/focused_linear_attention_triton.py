@@ -336,9 +336,16 @@ def _cfg(C: int, d: int) -> dict:
     the per-thread registers of ``_focus_bwd`` stay bounded); matmul precision as
     PyTorch's (``ieee`` fp32 unless TF32 matmuls are allowed)."""
     bd = max(16, triton.next_power_of_2(d))
-    return dict(BD=bd, BLOCK_N=16 if INTERPRETED else 64,
+    return dict(BD=bd, BLOCK_N=16 if INTERPRETED else 64 if bd <= 32 else 32,
                 BLOCK_C=min(32, max(16, triton.next_power_of_2(C))),
-                PREC='tf32' if torch.backends.cuda.matmul.allow_tf32 else 'ieee')
+                PREC='tf32' if torch.backends.cuda.matmul.allow_tf32 else 'ieee',
+                num_warps=_NUM_WARPS)
+
+
+#: 8 warps, 64-token tiles (32 for head dims above 32): no register spills on sm_90
+#: (ptxas; 4 warps spill in three of the five kernels at d = 32, 64-token tiles in four at
+#: d = 64); see ``aot_specs`` and tools/analysis/gpu_kernel_check.py ``--aot``
+_NUM_WARPS = 8
 
 
 def _chunk(n: int, groups: int, block: int) -> Tuple[int, int]:
@@ -399,6 +406,40 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
     elif dev.type != 'cuda':
         return f'device {dev} (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)'
     return None
+
+
+_KERNELS = {'_fla_kv_fwd': _fla_kv_fwd, '_fla_out_fwd': _fla_out_fwd, '_fla_q_bwd': _fla_q_bwd,
+            '_fla_k_bwd': _fla_k_bwd, '_focus_bwd': _focus_bwd}
+#: pointer arguments in the input / output dtype (all others are float32)
+_IO_POINTERS = ('q_ptr', 'k_ptr', 'v_ptr', 'o_ptr', 'g_ptr', 'dv_ptr', 'x_ptr')
+
+
+def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.dtype,
+              has_pos: bool = True) -> list:
+    """What the launches of one call compile: ``(name, kernel, signature, constexprs,
+    options)`` per kernel, for ahead-of-time compilation without a GPU
+    (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``, see
+    tools/analysis/gpu_kernel_check.py ``--aot``). Needs the kernels compiled, not
+    interpreted."""
+    if INTERPRETED:
+        raise RuntimeError('aot_specs needs the compiled kernels (TRITON_INTERPRET unset)')
+    io = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]
+    cfg = _cfg(channels, channels // num_heads)
+    options = dict(num_warps=cfg.pop('num_warps'))
+    const = dict(cfg, H=num_heads, D=channels // num_heads, P=focusing_factor,
+                 HAS_POS=has_pos)
+    specs = []
+    for name, fn in _KERNELS.items():
+        sig, cst = {}, {}
+        for arg in fn.arg_names:
+            if arg in const:
+                sig[arg], cst[arg] = 'constexpr', const[arg]
+            elif arg.endswith('_ptr'):
+                sig[arg] = io if arg in _IO_POINTERS else '*fp32'
+            else:
+                sig[arg] = 'fp32' if arg == 'inv_n' else 'i32'
+        specs.append((name, fn, sig, cst, options))
+    return specs
 
 
 # ----------------------------------------------------------------------------------------
@@ -475,10 +516,10 @@ def _fla_core_backward_op(
     ds_k = q.new_empty((B * bk, C), dtype=torch.float32)
     torch.library.wrap_triton(_focus_bwd)[(bq, B)](
         q, q, inv_s, dq, ds_q, N, C, *q.stride(), 0, 0, BLOCK_N=bn, BLOCK_C=cfg['BLOCK_C'],
-        P=focusing_factor, HAS_POS=False)
+        P=focusing_factor, HAS_POS=False, num_warps=_NUM_WARPS)
     torch.library.wrap_triton(_focus_bwd)[(bk, B)](
         k, pos, inv_s, dk, ds_k, n, C, *k.stride(), spn, spc, BLOCK_N=bn,
-        BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=has_pos)
+        BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=has_pos, num_warps=_NUM_WARPS)
     # d(1/softplus(s))/ds = -sigmoid(s) / softplus(s)^2
     s = scale.detach().reshape(-1).float()
     dscale = (ds_q.sum(0) + ds_k.sum(0)) * (-torch.sigmoid(s) * inv_s * inv_s)
