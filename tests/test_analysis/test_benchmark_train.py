@@ -171,6 +171,7 @@ def test_profile_counts_follow_their_definitions():
     x = torch.randn(1, 3, 64, 64)
     summary, kernels = bm.profile_backbone(model, model, x, top=5)
     assert summary['blocks'] == 4 and summary['attention_layers'] == 4
+    assert summary['infer_launches'] > 0
     assert summary['fwd_launches'] > 0 and summary['bwd_launches'] > 0
     assert summary['fwd_per_block'] == summary['fwd_launches'] / 4
     assert summary['bwd_per_block'] == summary['bwd_launches'] / 4

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     env['date'] = datetime.date.today().isoformat()
     print(f'# flatten_mm benchmark {env["date"]}: {env.get("gpu", env["cpu"])}, '
           f'torch {env["torch"]}, {torch.get_num_threads()} threads, device {args.device}, '
-          f'{args.dtype}')
+          f'{args.dtype}' + (f', autocast {args.amp}' if args.amp != 'fp32' else ''))
     rows, ratios = [], []
     quick = args.quick
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)

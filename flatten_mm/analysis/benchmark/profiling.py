@@ -5,7 +5,9 @@ number of kernels it launches and how many times its activations go through memo
 training forward + backward (after one untimed warm-up step) is recorded twice:
 
 1. under ``torch.profiler`` (CPU activity, plus CUDA on CUDA devices), forward and
-   backward in two separate sessions:
+   backward in two separate sessions (the training suite's loss and its own backward are
+   computed between them, outside both: the backward session is
+   ``torch.autograd.backward(outputs, d loss / d outputs)``, the backbone's alone):
 
    * **launches** -- CUDA: the device kernels (and memcpy / memset) of the session;
      CPU: the *top-level* ``aten::`` ops (those with no ``aten::`` op above them), the
@@ -43,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .train import _autocast, make_optimizer, output_loss
+from .train import _autocast, make_optimizer, output_loss, output_tensors
 
 _BLOCK = re.compile(r'(Block|EncoderLayer)$')
 _ATTN = re.compile(r'Attention|MSA$|^XCA$|QKV$')
@@ -126,7 +128,8 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
         top: how many kernels to list.
 
     Returns:
-        ``(summary, kernels)``: summary has ``fwd_launches``, ``bwd_launches``,
+        ``(summary, kernels)``: summary has ``infer_launches`` (an eval-mode forward
+        under ``no_grad``), ``fwd_launches``, ``bwd_launches`` (training),
         ``blocks``, ``attention_layers``, ``fwd_per_block``, ``bwd_per_block``,
         ``fwd_ms`` / ``bwd_ms`` (profiled self time, device time on CUDA),
         ``dispatch_ops_fwd`` / ``_bwd`` (non-view aten ops seen by the dispatch mode),
@@ -156,15 +159,30 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
     opt.zero_grad(set_to_none=True)
     sync()
 
+    def loss_grads(out):
+        """(outputs, d loss / d output): the backward of the loss itself stays outside the
+        recorded sessions, only the backbone's backward is recorded."""
+        outs = [t for t in output_tensors(out) if t.requires_grad]
+        copies = [t.detach().requires_grad_(True) for t in outs]
+        grads = torch.autograd.grad(output_loss(copies), copies)
+        return outs, [g.to(t.dtype).contiguous() for g, t in zip(grads, outs)]
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof_f:
-        loss = output_loss(forward())
+    model.eval()  # inference forward (what the forward suite times), for comparison
+    with torch.no_grad(), profile(activities=activities) as prof_i:
+        forward()
         sync()
+    model.train()
+    with profile(activities=activities) as prof_f:
+        out = forward()
+        sync()
+    outs, grads = loss_grads(out)
+    sync()
     with profile(activities=activities) as prof_b:
-        loss.backward()
+        torch.autograd.backward(outs, grads)
         sync()
     opt.zero_grad(set_to_none=True)
-    del loss
+    del out, outs, grads
 
     # bytes moved, and which blocks / attention layers ran
     counter = _BytesCounter()
@@ -188,22 +206,26 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
         hooks.append(att.register_forward_hook(post, with_kwargs=True))
     try:
         with counter.mode:
-            loss = output_loss(forward())
+            out = forward()
         ops_f, bytes_f, attn_bytes = counter.ops, counter.bytes, counter.attn_bytes
+        outs, grads = loss_grads(out)
         counter.reset()
         with counter.mode:
-            loss.backward()
+            torch.autograd.backward(outs, grads)
         ops_b, bytes_b = counter.ops, counter.bytes
+        del out, outs, grads
     finally:
         for h in hooks:
             h.remove()
     opt.zero_grad(set_to_none=True)
 
     blocks, attn = len(ran_blocks), len(ran_attn)
+    inf_l, _ = _launches(prof_i, cuda)
     fwd_l, fwd_ms = _launches(prof_f, cuda)
     bwd_l, bwd_ms = _launches(prof_b, cuda)
     summary = dict(
-        fwd_launches=fwd_l, bwd_launches=bwd_l, total_launches=fwd_l + bwd_l,
+        infer_launches=inf_l, fwd_launches=fwd_l, bwd_launches=bwd_l,
+        total_launches=fwd_l + bwd_l,
         blocks=blocks, attention_layers=attn,
         fwd_per_block=fwd_l / blocks if blocks else None,
         bwd_per_block=bwd_l / blocks if blocks else None,
@@ -311,7 +333,9 @@ def run_profile(pairs: Dict[str, Sequence[str]], hw: Tuple[int, int] = (512, 512
     return summaries, kernels
 
 
-PROFILE_COLUMNS = (('name', 'backbone'), ('amp', 'amp'), ('fwd_launches', 'launches fwd'),
+PROFILE_COLUMNS = (('name', 'backbone'), ('amp', 'amp'),
+                   ('infer_launches', 'launches inference fwd'),
+                   ('fwd_launches', 'launches fwd'),
                    ('bwd_launches', 'launches bwd'), ('blocks', 'blocks'),
                    ('fwd_per_block', 'fwd / block'), ('bwd_per_block', 'bwd / block'),
                    ('dispatch_ops_fwd', 'aten ops fwd'), ('dispatch_ops_bwd', 'aten ops bwd'),
