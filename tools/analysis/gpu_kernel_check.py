@@ -4,19 +4,23 @@
     python tools/analysis/gpu_kernel_check.py --out DIR --batch 8 --dtypes fp32,bf16 --compile
 
 For each kernel (today: ``fla``, the FLA core of ``focused_linear_attention_triton``) and
-each case (the token maps / widths / heads / ``sr_ratio`` of the FLatten backbones' global
-FLA stages at a 512² input, i.e. up to 128² tokens) and dtype: forward and the gradients of
+each case (``FLA_CASES``: the token maps / widths / heads / ``sr_ratio`` of the FLatten
+backbones' global FLA stages at a 512² input, up to 128² tokens; ``DEFAULT_CASES`` unless
+``--cases``) and dtype: forward and the gradients of
 ``q, k, v, scale, k_pos`` by the kernels and by the PyTorch path, both against the float64
 formula on the same (rounded) inputs, with TF32 off. fp32 passes when the kernels' largest
 error (relative to the largest reference value) is within ``--tol`` or twice the PyTorch
 path's; bf16 / fp16 when every element is within one rounding of the dtype plus ``--tol``
 of the largest value (the kernels accumulate in float32). With ``--compile`` the kernels
-also run under ``torch.compile`` (inductor, ``fullgraph=True``) and must match eager. Unless
+also run under ``torch.compile`` (inductor, ``fullgraph=True``; the ``--compile-cases``)
+and must match eager. Unless
 ``--no-timing``, the median times of forward and forward + backward of kernels, PyTorch path
 and plain ReLU linear attention of the same shape are recorded (CUDA events).
 
-Writes ``<out>/gpu_kernel_check.json`` (device, versions, date, one record per case) and
-exits 1 if a check failed, 2 without a CUDA device (nothing is written then).
+Writes ``<out>/gpu_kernel_check.json`` (device, versions, date, one record per case;
+rewritten after every case, so a run cut short keeps what it checked; a case that raises is
+recorded with its error) and exits 1 if a check failed, 2 without a CUDA device (nothing
+is written then).
 
 ``--aot 90`` (no GPU needed) instead compiles every kernel as the launches of each case and
 dtype would, for that compute capability, down to the cubin with Triton's bundled ``ptxas``,
@@ -48,6 +52,9 @@ FLA_CASES = {
     'swin-t-stage2': (64, 192, 6, 1),
     'cswin-t-branch1': (128, 32, 1, 1),
 }
+#: checked by default (distinct kernel specialisations: heads 1 / 3 / 8, head dim 32 / 64;
+#: about 40 Triton compilations, so that a run stays within ~2 min on a fresh machine)
+DEFAULT_CASES = ('pvt-v2-b0-stage1', 'swin-t-stage1', 'pvt-v2-b0-stage4', 'pvt-t-stage1')
 KERNELS = ('fla', )
 
 
@@ -56,7 +63,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--out', required=True, help='output directory for the JSON')
     parser.add_argument('--kernels', default=','.join(KERNELS),
                         help=f'comma-separated subset of {",".join(KERNELS)}')
-    parser.add_argument('--cases', default=','.join(FLA_CASES),
+    parser.add_argument('--cases', default=','.join(DEFAULT_CASES),
                         help=f'comma-separated subset of {",".join(FLA_CASES)}')
     parser.add_argument('--batch', type=int, default=8)
     parser.add_argument('--dtypes', default='fp32,bf16', help='comma-separated: fp32,bf16,fp16')
@@ -64,6 +71,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='error bound relative to the largest reference value')
     parser.add_argument('--compile', action='store_true',
                         help='also run the kernels under torch.compile (inductor)')
+    parser.add_argument('--compile-cases', default='swin-t-stage1',
+                        help='the cases that --compile compiles (each takes ~10-20 s)')
     parser.add_argument('--no-timing', action='store_true')
     parser.add_argument('--reps', type=int, default=20, help='timed repetitions')
     parser.add_argument('--seed', type=int, default=0)
@@ -73,6 +82,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.kernels = _choices(args.kernels, KERNELS, 'kernel', parser)
     args.cases = _choices(args.cases, FLA_CASES, 'case', parser)
     args.dtypes = _choices(args.dtypes, DTYPES, 'dtype', parser)
+    args.compile_cases = _choices(args.compile_cases, FLA_CASES, 'case', parser)
     args.device = 'cuda'
     if args.batch < 1 or args.reps < 1 or not args.tol > 0:
         parser.error('--batch and --reps must be >= 1 and --tol > 0')
@@ -158,7 +168,7 @@ def check_fla(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
         e['passed'] = bool(ok and e['finite'])
         rec['errors'][name] = e
         rec['passed'] &= e['passed']
-    if args.compile:
+    if args.compile and case in args.compile_cases:
         torch._dynamo.reset()
         compiled = torch.compile(core(True), backend='inductor', fullgraph=True)
         comp = run(compiled, inputs, g)
@@ -279,24 +289,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     records = []
+    os.makedirs(args.out, exist_ok=True)
+    path = osp.join(args.out, 'gpu_kernel_check.json')
     for kernel in args.kernels:
         fn, cases = CHECKS[kernel]
         for case in cases(args):
             for dtype_name in args.dtypes:
-                rec = fn(case, dtype_name, args)
+                try:
+                    rec = fn(case, dtype_name, args)
+                    line = ' '.join(f"{k}={e['kernels']:.1e}/{e['pytorch']:.1e}"
+                                    for k, e in rec['errors'].items())
+                    if 'ms' in rec:
+                        line += ' ms fwd+bwd kernels/pytorch/relu-linear ' + '/'.join(
+                            f"{rec['ms'][k]['forward_backward']:.3f}"
+                            for k in ('kernels', 'pytorch', 'relu_linear'))
+                except Exception as e:  # recorded; the other cases still run
+                    rec = dict(kernel=kernel, case=case, dtype=dtype_name, passed=False,
+                               error=f'{type(e).__name__}: {e}'[:2000])
+                    line = rec['error'].splitlines()[0]
                 print(f"{kernel:5s} {case:20s} {dtype_name:5s} "
-                      f"{'ok  ' if rec['passed'] else 'FAIL'} " + ' '.join(
-                          f"{k}={e['kernels']:.1e}/{e['pytorch']:.1e}"
-                          for k, e in rec['errors'].items()), flush=True)
+                      f"{'ok  ' if rec['passed'] else 'FAIL'} {line}", flush=True)
                 records.append(rec)
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-                  device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, tf32=False, argv=sys.argv[1:],
-                  passed=all(r['passed'] for r in records), records=records)
-    os.makedirs(args.out, exist_ok=True)
-    path = osp.join(args.out, 'gpu_kernel_check.json')
-    with open(path, 'w') as f:
-        json.dump(report, f, indent=1)
+                report = dict(
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec='seconds'),
+                    device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    triton=triton.__version__, tf32=False, argv=sys.argv[1:],
+                    passed=all(r['passed'] for r in records), records=records)
+                with open(path, 'w') as f:
+                    json.dump(report, f, indent=1)
     print(f"{'all passed' if report['passed'] else 'FAILED'}; wrote {path}")
     return 0 if report['passed'] else 1
 

@@ -374,7 +374,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
                  k_pos: Optional[torch.Tensor]) -> Optional[str]:
     """Why the kernels cannot take these inputs (``None`` if they can)."""
     if not (q.dim() == k.dim() == v.dim() == 3):
-        return f'q, k, v must be (B, N, C), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}'
+        return (f'q, k, v must be (B, N, C), got {tuple(q.shape)}, {tuple(k.shape)}, '
+                f'{tuple(v.shape)}')
     B, N, C = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != C:
         return f'k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}'
@@ -388,7 +389,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
         return f'C={C} is not divisible by num_heads={num_heads}'
     if C // num_heads > _MAX_HEAD_DIM:
         return f'head dim {C // num_heads} > {_MAX_HEAD_DIM}'
-    if not isinstance(focusing_factor, int) or isinstance(focusing_factor, bool) or focusing_factor < 1:
+    if (not isinstance(focusing_factor, int) or isinstance(focusing_factor, bool)
+            or focusing_factor < 1):
         return f'focusing_factor must be an int >= 1, got {focusing_factor!r}'
     tensors = [t for t in (q, k, v, scale, k_pos) if t is not None]
     bad = [t.dtype for t in (q, k, v) if t.dtype not in (torch.float32, torch.bfloat16,
