@@ -107,11 +107,14 @@ def test_train_step_updates_every_parameter_and_forward_none():
     out = fwd()
     assert not model.training and all(not t.requires_grad for t in out)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    step = bm.backbone_step(model, model, x, 'train')
+    opt = train.make_optimizer(model)
+    step = bm.backbone_step(model, model, x, 'train', optimizer=opt)
     loss = step()
     assert model.training and torch.isfinite(loss)
     for n, p in model.named_parameters():
-        assert p.grad is not None, f'{n}: no gradient from the step loss'
+        assert p.grad is None, f'{n}: gradient kept after the step (zero_grad at its end)'
+        state = opt.state[p]
+        assert state and state['exp_avg'].abs().max() > 0, f'{n}: no gradient from the loss'
         assert not torch.equal(p.detach(), before[n]), f'{n}: not updated by AdamW'
 
 

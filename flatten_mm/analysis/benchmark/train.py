@@ -1,10 +1,11 @@
 """Training-step suite: forward + backward + optimizer step, ours against the softmax
 counterparts, eager and ``torch.compile``, fp32 or under autocast.
 
-One **step** of a backbone: ``optimizer.zero_grad(set_to_none=True)``, the forward
-(under ``torch.autocast(device_type, dtype)`` with ``amp``), the loss (``output_loss``:
-every output map, weighted by a fixed ramp over its channels, averaged), ``loss.backward()``,
-``AdamW.step()``. A ``forward`` step is the inference forward of the same model under
+One **step** of a backbone: the forward (under ``torch.autocast(device_type, dtype)`` with
+``amp``), the loss (``output_loss``: every output map, weighted by a fixed ramp over its
+channels, averaged), ``loss.backward()``, ``AdamW.step()``, ``zero_grad(set_to_none=True)``
+(the order of mmengine's ``OptimWrapper.update_params``: no gradient outlives its step, so
+the peak memory of a step includes the gradients). A ``forward`` step is the inference forward of the same model under
 ``torch.no_grad()`` (eval mode), so forward and training rows come from one code path.
 Of a whole detector / segmentor built from a config (``WHOLE_MODEL_PAIRS``): the data
 preprocessor, ``model(mode='loss')`` on a synthetic batch (``swap_smoke.synthetic_batch``:
@@ -14,7 +15,7 @@ Every case of a group (ours and its baselines at one resolution, each eager and,
 ``compile_backend``, compiled) alternates round-robin in one process
 (``timing.measure_alternating``), so ratios are taken inside one run. Peak memory of a
 step (``peak_mem_mb``): CUDA, the caching allocator's peak during one step above what was
-allocated before it (parameters and AdamW state are outside, activations, gradients and
+allocated before it (parameters and AdamW state are outside; activations, gradients and
 the workspace of the step inside); CPU, the running peak of the allocations recorded by
 the PyTorch profiler during the step (same definition, counted from the allocation
 events instead of the allocator).
@@ -115,7 +116,7 @@ def backbone_step(model: nn.Module, run: Callable[[torch.Tensor], Any], x: torch
         run: ``x -> outputs`` (e.g. ``model`` itself, timm's ``forward_intermediates``,
             or a ``torch.compile`` of either).
         x: input ``(B, 3, H, W)``.
-        step: ``'train'`` (zero_grad, forward, loss, backward, optimizer step) or
+        step: ``'train'`` (forward, loss, backward, optimizer step, zero_grad) or
             ``'forward'`` (inference forward under ``no_grad``).
         amp: autocast dtype (``None`` / float32: no autocast).
         optimizer: for ``'train'`` (default: ``make_optimizer(model)``).
@@ -137,12 +138,12 @@ def backbone_step(model: nn.Module, run: Callable[[torch.Tensor], Any], x: torch
     opt = optimizer if optimizer is not None else make_optimizer(model)
 
     def train():
-        opt.zero_grad(set_to_none=True)
         with _autocast(device, amp):
             out = run(x)
         loss = output_loss(out)
         loss.backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss.detach()
     return train
 
@@ -332,12 +333,12 @@ def whole_model_step(cfg, input_hw: Tuple[int, int], batch: int, device: torch.d
     opt = make_optimizer(model)
 
     def train():
-        opt.zero_grad(set_to_none=True)
         with _autocast(device, amp):
             losses = model(**data, mode='loss')
         loss, _ = model.parse_losses(losses)
         loss.backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss.detach()
     return model, train
 
