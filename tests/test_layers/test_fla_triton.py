@@ -239,6 +239,9 @@ def test_forced_kernels_refuse_what_they_cannot_take():
         fla.focused_linear_core(x, x, x, torch.zeros(1, 1, 8), 2, 1.5, use_triton=True)
     with pytest.raises(ValueError, match='use_triton'):
         FocusedLinearAttention(16, 2, use_triton='yes')
+    many = torch.zeros(65536, 1, 8)  # e.g. tiny windows folded into the batch
+    with pytest.raises(ValueError, match='batch 65536'):
+        fla.focused_linear_core(many, many, many, torch.zeros(1, 1, 8), 2, 3, use_triton=True)
 
 
 def test_operators_with_kernels_match_pytorch_path(monkeypatch):

@@ -381,6 +381,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
         return f'k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}'
     if k.shape[1] == 0 or N == 0 or B == 0:
         return 'empty token set'
+    if B > 65535 or num_heads > 65535:  # CUDA grid limit of the 2nd / 3rd dimension
+        return f'batch {B} (windows folded in) or heads {num_heads} above 65535'
     if scale.numel() != C:
         return f'scale has {scale.numel()} entries, expected {C}'
     if k_pos is not None and k_pos.numel() != k.shape[1] * C:
