@@ -358,7 +358,8 @@ def run_whole_model_benchmark(input_hws: Sequence[Tuple[int, int]] = ((512, 512)
     the baseline backbone, alternating in one process (suite ``'model_step'``).
 
     Needs mmdet / mmseg with mmcv's ops on ``device`` (RoIAlign, ...): a model whose
-    build or first step fails gets a row with the error in ``note``.
+    build or first step fails gets a row with the error in ``note`` (e.g. UperNet at
+    batch 1: the batch norm after its 1x1 pyramid pooling needs 2 images, as in mmseg).
 
     Args:
         input_hws: image sizes.
