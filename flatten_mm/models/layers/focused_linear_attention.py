@@ -20,7 +20,6 @@ On CUDA the kernel + linear attention run as fused Triton kernels (forward and b
 ``focused_linear_attention_triton``) when Triton imports; ``use_triton=False`` (operator
 argument) or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path below.
 """
-import importlib.util
 import os
 import warnings
 from typing import Optional, Tuple
@@ -55,35 +54,40 @@ def _use_fla_triton(use_triton: Optional[bool], q: torch.Tensor, k: torch.Tensor
     the kernels take (``check_inputs``), when Triton imports, outside ONNX export / tracing.
     ``True``: always, else a ``ValueError`` / ``RuntimeError`` saying why not (CPU tensors
     need ``TRITON_INTERPRET=1``: the tests' way to run the kernels without a GPU)."""
-    global _triton_failed
     if use_triton is False or use_triton is None and not q.is_cuda:
         return False  # (first: nothing else is looked at on the CPU path, e.g. under dynamo)
     if not triton_env_enabled():
         return False
     if use_triton is None:
-        if _triton_failed is not None or torch.jit.is_tracing() or (
-                torch.onnx.is_in_onnx_export()):
-            return False
-        if importlib.util.find_spec('triton') is None:
-            _triton_failed = 'triton is not installed'
+        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or not _triton_imports():
             return False
     elif use_triton is not True:
         raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
-    try:
-        from . import focused_linear_attention_triton as fla_triton
-    except Exception as e:  # ImportError, or a Triton that fails to initialise
-        if use_triton:
-            raise RuntimeError(f'use_triton=True but the FLA Triton kernels do not import: '
-                               f'{type(e).__name__}: {e}') from e
-        _triton_failed = f'{type(e).__name__}: {e}'
-        warnings.warn(f'flatten_mm: FLA Triton kernels unavailable, using the PyTorch path '
-                      f'({_triton_failed})', RuntimeWarning, stacklevel=3)
-        return False
+    elif not _triton_imports():
+        raise RuntimeError(f'use_triton=True but the FLA Triton kernels do not import: '
+                           f'{_triton_failed}')
+    from . import focused_linear_attention_triton as fla_triton
     why = fla_triton.check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos)
     if why is not None and use_triton:
         raise ValueError(f'use_triton=True but the FLA Triton kernels cannot take these '
                          f'inputs: {why}')
     return why is None
+
+
+@torch.compiler.assume_constant_result  # (a constant under torch.compile: no graph break)
+def _triton_imports() -> bool:
+    """Whether the kernel module imports (tried once; the first failure is warned about)."""
+    global _triton_failed
+    if _triton_failed is not None:
+        return False
+    try:
+        from . import focused_linear_attention_triton  # noqa: F401
+        return True
+    except Exception as e:  # ImportError, or a Triton that fails to initialise
+        _triton_failed = f'{type(e).__name__}: {e}'
+        warnings.warn(f'flatten_mm: FLA Triton kernels unavailable, using the PyTorch path '
+                      f'({_triton_failed})', RuntimeWarning, stacklevel=4)
+        return False
 
 
 def _check_use_triton(use_triton: Optional[bool]) -> Optional[bool]:
