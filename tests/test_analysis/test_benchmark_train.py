@@ -119,6 +119,7 @@ def test_train_step_updates_every_parameter_and_forward_none():
 
 
 def test_bf16_autocast_is_applied_to_the_step():
+    assert train.amp_label(torch.bfloat16) == 'bf16' and train.amp_label(None) == 'fp32'
     model = _tiny_flatten()
     x = torch.randn(1, 3, 64, 48)
     out = bm.backbone_step(model, model, x, 'forward', amp=torch.bfloat16)()

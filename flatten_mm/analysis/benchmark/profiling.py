@@ -297,10 +297,10 @@ def run_profile(pairs: Dict[str, Sequence[str]], hw: Tuple[int, int] = (512, 512
         ``width``; a model that fails gets a summary row with ``note``.
     """
     from .cases import backbone_cases
-    from .train import kernels_setting
+    from .train import amp_label, kernels_setting
     device_ = torch.device(device)
     available = backbone_cases(quick)
-    amp_name = 'fp32' if amp in (None, torch.float32) else str(amp).replace('torch.', '')
+    amp_name = amp_label(amp)
     names: List[str] = []
     for ours, baselines in pairs.items():
         for n in (ours, *baselines):

@@ -92,6 +92,13 @@ def output_loss(out: Any) -> torch.Tensor:
     return loss
 
 
+def amp_label(amp: Optional[torch.dtype]) -> str:
+    """``'fp32'`` (no autocast), ``'bf16'``, ``'fp16'``: the tool's ``--amp`` names."""
+    labels = {None: 'fp32', torch.float32: 'fp32', torch.bfloat16: 'bf16',
+              torch.float16: 'fp16'}
+    return labels.get(amp, str(amp).replace('torch.', ''))
+
+
 def _autocast(device: torch.device, amp: Optional[torch.dtype]):
     if amp is None or amp == torch.float32:
         return torch.autocast(device_type=device.type, enabled=False)
@@ -207,7 +214,7 @@ def run_step_benchmark(pairs: Optional[Dict[str, Sequence[str]]] = None,
     available = backbone_cases(quick)
     if pairs is None:
         pairs = quick_pairs() if quick else BACKBONE_PAIRS
-    amp_name = 'fp32' if amp in (None, torch.float32) else str(amp).replace('torch.', '')
+    amp_name = amp_label(amp)
     rows: List[Dict[str, Any]] = []
     for ours, baselines in pairs.items():
         names = [ours] + [b for b in baselines if b in available]
@@ -373,7 +380,7 @@ def run_whole_model_benchmark(input_hws: Sequence[Tuple[int, int]] = ((512, 512)
         Rows like ``run_step_benchmark``'s (``step='train'``, ``exec='eager'``).
     """
     device_ = torch.device(device)
-    amp_name = 'fp32' if amp in (None, torch.float32) else str(amp).replace('torch.', '')
+    amp_name = amp_label(amp)
     configs = whole_model_configs(quick)
     if names and not quick:
         unknown = [n for n in names if n not in configs]
