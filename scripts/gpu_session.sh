@@ -69,7 +69,8 @@ else
     COMPILE_BACKEND=inductor
     AMPS=(fp32 bf16); KERNELS=(1 0); COMPILE_AMPS=(fp32 bf16)
 fi
-STEP_FAMILIES=${STEP_FAMILIES:-flatten-pvt-v2-b0,quadtree-b-pvt-v2-b0,flatten-swin-t,sima-xcit-s12-p16}
+ALL_FAMILIES=flatten-pvt-v2-b0,quadtree-b-pvt-v2-b0,flatten-swin-t,sima-xcit-s12-p16
+STEP_FAMILIES=${STEP_FAMILIES:-$ALL_FAMILIES}
 PROFILE_FAMILIES=${PROFILE_FAMILIES:-flatten-pvt-v2-b0,flatten-swin-t,quadtree-b-pvt-v2-b0}
 COMPILE_FAMILIES=${COMPILE_FAMILIES:-flatten-pvt-v2-b0,flatten-swin-t}
 SIZES=${SIZES:-512,1024,800x1344}
@@ -137,7 +138,8 @@ step() {
 if [ -n "$ONLY" ] && [[ ",$ONLY," != *",environment,"* ]]; then
     :
 elif [ "$DRY_RUN" = 1 ]; then
-    echo "[environment] nvidia-smi; $PYTHON (torch / CUDA / triton versions); git log -1 > $OUT/environment.txt"
+    echo "[environment] nvidia-smi; $PYTHON (torch / CUDA / triton versions);" \
+        "git log -1 > $OUT/environment.txt"
 else
     {
         timeout 30 nvidia-smi 2>&1 || echo "no nvidia-smi"

@@ -5,11 +5,13 @@ One **step** of a backbone: the forward (under ``torch.autocast(device_type, dty
 ``amp``), the loss (``output_loss``: every output map, weighted by a fixed ramp over its
 channels, averaged), ``loss.backward()``, ``AdamW.step()``, ``zero_grad(set_to_none=True)``
 (the order of mmengine's ``OptimWrapper.update_params``: no gradient outlives its step, so
-the peak memory of a step includes the gradients). A ``forward`` step is the inference forward of the same model under
-``torch.no_grad()`` (eval mode), so forward and training rows come from one code path.
-Of a whole detector / segmentor built from a config (``WHOLE_MODEL_PAIRS``): the data
-preprocessor, ``model(mode='loss')`` on a synthetic batch (``swap_smoke.synthetic_batch``:
-random images, boxes, masks or label maps), ``parse_losses``, backward, AdamW step.
+the peak memory of a step includes the gradients). A ``forward`` step is the inference
+forward of the same model under ``torch.no_grad()`` (eval mode), so forward and training
+rows come from one code path. Of a whole detector / segmentor built from a config
+(``WHOLE_MODEL_PAIRS``): ``model(mode='loss')`` on a synthetic batch
+(``swap_smoke.synthetic_batch``: random images, boxes, masks or label maps; put through
+the data preprocessor once, outside the step), ``parse_losses``, backward, AdamW step,
+``zero_grad``.
 
 Every case of a group (ours and its baselines at one resolution, each eager and, with
 ``compile_backend``, compiled) alternates round-robin in one process
