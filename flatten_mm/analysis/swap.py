@@ -104,7 +104,10 @@ def load_source_config(src: str) -> Tuple[Config, str]:
             raise SwapError(f'{src} cannot be read without {", ".join(missing)} (its _base_ '
                             'configs are in that package), which is not installed') from exc
         raise
-    return cfg, (src if '::' in src else path)
+    # mmengine parses a scoped _base_ name with a regex that stops at characters like
+    # '+' (mmdet::gn+ws/...): inherit such a config by its file path
+    scoped_ok = '::' in src and re.fullmatch(r'[A-Za-z0-9_]+::[A-Za-z0-9_./-]+', src)
+    return cfg, (src if scoped_ok else path)
 
 
 def _missing_base_packages(path: str, seen=None) -> List[str]:
@@ -666,13 +669,25 @@ def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
     return text
 
 
+def _needs_predict(model) -> bool:
+    """mmdet single-stage instance segmentors with a bbox head (CondInst, BoxInst), whose
+    ``_forward`` computes the bbox head's loss."""
+    if not type(model).__module__.startswith('mmdet.'):
+        return False
+    from mmdet.models.detectors.single_stage_instance_seg import \
+        SingleStageInstanceSegmentor
+    return isinstance(model, SingleStageInstanceSegmentor) and getattr(
+        model, 'with_bbox', False)
+
+
 def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
                   num_proposals: int = 20) -> tuple:
     """Build the model of a (generated) config on CPU and run its inference graph once
     (``forward.dense_forward``; mmseg MaskFormer-style heads: ``encode_decode``) on a
     random ``(1, 3, *input_hw)`` image (default 224x256, or ``input_size`` squared for
-    configs that define one, e.g. SSD300, whose extra layers need it). Returns the
-    backbone's output shapes."""
+    configs that define one, e.g. SSD300, whose extra layers need it); a Fast R-CNN
+    without RPN runs its RoI head on random proposals. Returns the backbone's output
+    shapes."""
     import torch
     from .forward import build_model, dense_forward
     cfg = path_or_cfg if isinstance(path_or_cfg, Config) else Config.fromfile(path_or_cfg)
@@ -684,7 +699,23 @@ def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
     with torch.no_grad():
         feats = model.backbone(x)
         head = getattr(model, 'decode_head', None)
-        if head is not None and not _uses_in_index(type(head)):
+        if getattr(model, 'roi_head', None) is not None and not getattr(model, 'with_rpn',
+                                                                          True):
+            # Fast R-CNN (precomputed proposals, no RPN): the RoI head on random boxes
+            from mmdet.structures.bbox import bbox2roi
+            from .forward import _random_proposals, roi_head_dummy_forward
+            gen = torch.Generator().manual_seed(0)
+            rois = bbox2roi([_random_proposals(num_proposals, tuple(input_hw), x.device, gen)])
+            roi_head_dummy_forward(model.roi_head, model.extract_feat(x), rois)
+        elif _needs_predict(model):
+            # CondInst / BoxInst: mmdet's _forward runs the bbox head's loss (needs ground
+            # truth); the predict graph runs the same modules
+            from mmdet.structures import DetDataSample
+            hw = tuple(input_hw)
+            model.predict(x, [DetDataSample(metainfo=dict(
+                img_shape=hw, pad_shape=hw, ori_shape=hw, batch_input_shape=hw,
+                scale_factor=(1., 1.)))], rescale=False)
+        elif head is not None and not _uses_in_index(type(head)):
             # mmseg MaskFormer-style heads need the image metas: run the predict graph
             hw = tuple(input_hw)
             model.encode_decode(x, [dict(img_shape=hw, pad_shape=hw, ori_shape=hw)])

@@ -1,14 +1,19 @@
-"""One training iteration of a (swapped) config on a synthetic batch, on CPU.
+"""One training iteration of a (swapped) config on CPU.
 
 What a user wants to know before launching a multi-GPU job: the loss graph of the whole
 model runs with the new backbone, every loss is finite, every trainable backbone
 parameter receives a gradient (DDP without ``find_unused_parameters`` needs it), and the
 config's optimizer (with its ``paramwise_cfg``) builds and steps.
 
-The batch is built for the config's own data preprocessor: ``batch_size`` random uint8
-images of ``input_hw`` with a few random boxes, labels and box-shaped masks
-(``gt_instances``; plus a semantic map for panoptic models), or a random label map
-(mmseg ``gt_sem_seg``, some pixels ignored). The dataset is not needed. The
+The batch (``data='auto'``) is made of real images and their annotations, loaded by the
+config's own train pipeline from its dataset when present, else from the bundled demo
+data (``swap_demo``: COCO images for mmdet, ADE20K for mmseg; the pipeline's sizes
+scaled to ``input_hw``). When that pipeline cannot run on the demo data (panoptic
+annotations absent, fewer classes than the demo labels...), the batch is synthetic,
+built for the config's own data preprocessor: ``batch_size`` random uint8 images of
+``input_hw`` with a few random boxes, labels and box-shaped masks (``gt_instances``;
+plus a semantic map for panoptic models), or a random label map (mmseg ``gt_sem_seg``,
+some pixels ignored). ``SmokeReport.batch`` says which was used and why. The
 preprocessor's fixed sizes (mmseg ``size``, mmdet ``BatchFixedSizePad``) are set to
 ``input_hw``, random multi-scale batch resizing (YOLOX / RTMDet) is left out, SyncBN
 runs as BatchNorm and ``AmpOptimWrapper`` as ``OptimWrapper`` (CPU).
@@ -35,6 +40,8 @@ class SmokeReport:
         nonfinite: parameters (any part of the model) whose gradient is not finite.
         seconds: wall time of the forward + backward + step.
         notes: what was changed for the CPU run.
+        batch: which batch was used (``'demo: ...'`` / ``'dataset: ...'`` real images
+            through the train pipeline, or ``'synthetic: <why>'``).
     """
 
     losses: Dict[str, float]
@@ -44,6 +51,7 @@ class SmokeReport:
     nonfinite: List[str]
     seconds: float
     notes: List[str] = field(default_factory=list)
+    batch: str = ''
 
     @property
     def ok(self) -> bool:
@@ -53,6 +61,7 @@ class SmokeReport:
     def summary(self) -> str:
         loss = ', '.join(f'{k}={v:.4g}' for k, v in self.losses.items())
         lines = [f'train smoke: one iteration in {self.seconds:.1f}s; {loss}',
+                 f'batch: {self.batch}',
                  f'backbone: {self.backbone_params - len(self.no_grad)} of '
                  f'{self.backbone_params} trainable parameter tensors received a gradient'
                  + (f' ({self.frozen} frozen)' if self.frozen else '')]
@@ -68,8 +77,29 @@ class SmokeReport:
         return '\n'.join(lines)
 
 
-def _smoke_model_cfg(cfg: Config, input_hw: Tuple[int, int], notes: List[str]) -> Config:
+def fewer_rois(train_cfg, notes: List[str]) -> None:
+    """Fewer RPN proposals (64) and sampled RoIs (32 per stage): CPU time; every head
+    still trains."""
+    if not train_cfg:
+        return
+    changed = False
+    if train_cfg.get('rpn_proposal'):
+        train_cfg.rpn_proposal.update(nms_pre=200, max_per_img=64)
+        changed = True
+    rcnn = train_cfg.get('rcnn')
+    for stage in rcnn if isinstance(rcnn, (list, tuple)) else [rcnn] if rcnn else []:
+        if isinstance(stage, dict) and stage.get('sampler') and 'num' in stage.sampler:
+            stage.sampler.num = 32
+            changed = True
+    if changed:
+        notes.append('fewer RPN proposals (64) and sampled RoIs (32)')
+
+
+def _smoke_model_cfg(cfg: Config, input_hw: Tuple[int, int], notes: List[str],
+                     few_rois: bool = False) -> Config:
     cfg = copy.deepcopy(cfg)
+    if few_rois:
+        fewer_rois(cfg.model.get('train_cfg'), notes)
     prep = cfg.model.get('data_preprocessor')
     if isinstance(prep, dict):
         if prep.get('size') is not None:
@@ -169,29 +199,59 @@ def synthetic_batch(scope: str, model_cfg, input_hw: Tuple[int, int], batch_size
 
 
 def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size: int = 2,
-                seed: int = 0, step: bool = True) -> SmokeReport:
+                seed: int = 0, step: bool = True, data: str = 'auto',
+                few_rois: bool = False) -> SmokeReport:
     """Run one training iteration of a config on CPU (see the module docstring).
 
     Args:
         path_or_cfg: config file or ``Config``.
         input_hw: image size; a multiple of 32 keeps the mmdet preprocessor from padding.
         step: also build the config's optimizer and take one step.
+        data: ``'auto'`` (real images through the train pipeline: the config's dataset
+            when present, else the demo data; synthetic when that cannot run),
+            ``'real'`` (the same, but an error instead of the synthetic fallback) or
+            ``'synthetic'``.
+        few_rois: sample fewer RPN proposals / RoIs (``fewer_rois``; CPU time).
 
     Returns:
-        SmokeReport (check ``.ok``).
+        SmokeReport (check ``.ok``; ``.batch`` says which batch was used).
+
+    Raises:
+        DemoUnavailable: ``data='real'`` and the pipeline cannot run here.
     """
     from mmengine.model import revert_sync_batchnorm
     from .forward import build_model
+    from .swap_demo import DemoUnavailable, demo_batch
+    if data not in ('auto', 'real', 'synthetic'):
+        raise ValueError(f"data must be 'auto', 'real' or 'synthetic', got {data!r}")
     cfg = path_or_cfg if isinstance(path_or_cfg, Config) else Config.fromfile(path_or_cfg)
     scope = cfg.get('default_scope')
     notes: List[str] = []
-    cfg = _smoke_model_cfg(cfg, input_hw, notes)
+    cfg = _smoke_model_cfg(cfg, input_hw, notes, few_rois)
     torch.manual_seed(seed)
     model = revert_sync_batchnorm(build_model(cfg)).train()
-    batch = synthetic_batch(scope, cfg.model, input_hw, batch_size, seed=seed)
+    batch = None
+    if data == 'synthetic':
+        used = 'synthetic: requested'
+    else:
+        things, _ = _num_classes(cfg.model)
+        try:
+            batch, desc = demo_batch(cfg, input_hw, batch_size, num_classes=things)
+            used = ('demo: ' if 'demo data' in desc else 'dataset: ') + desc
+        except DemoUnavailable as exc:
+            if data == 'real':
+                raise
+            used = f'synthetic: {exc}'
+    if batch is None:
+        batch = synthetic_batch(scope, cfg.model, input_hw, batch_size, seed=seed)
+    if getattr(model, 'roi_head', None) is not None and not getattr(model, 'with_rpn', True):
+        _random_proposals(batch, seed, notes)
+    _runner_info(cfg)
     t0 = time.perf_counter()
-    data = model.data_preprocessor(batch, True)
-    losses = model(**data, mode='loss')
+    wrapper = (_build_optim_wrapper(model, cfg, notes)
+               if step and cfg.get('optim_wrapper') is not None else None)
+    data_ = model.data_preprocessor(batch, True)
+    losses = model(**data_, mode='loss')
     loss, log_vars = model.parse_losses(losses)
     loss.backward()
     named = dict(model.named_parameters())
@@ -200,15 +260,48 @@ def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size:
     trainable = [(n, p) for n, p in model.backbone.named_parameters() if p.requires_grad]
     frozen = sum(1 for p in model.backbone.parameters() if not p.requires_grad)
     no_grad = [f'backbone.{n}' for n, p in trainable if p.grad is None]
-    if step and cfg.get('optim_wrapper') is not None:
-        _optimizer_step(model, cfg, notes)
+    if wrapper is not None:
+        wrapper.step()
+        wrapper.zero_grad()
     seconds = time.perf_counter() - t0
     return SmokeReport({k: float(torch.as_tensor(v).detach()) for k, v in log_vars.items()},
                        len(trainable), frozen,
-                       no_grad, nonfinite, seconds, notes)
+                       no_grad, nonfinite, seconds, notes, used)
 
 
-def _optimizer_step(model, cfg: Config, notes: List[str]) -> None:
+def _random_proposals(batch: dict, seed: int, notes: List[str], num: int = 64) -> None:
+    """Give each sample ``num`` random ``proposals`` (a Fast R-CNN without RPN reads
+    precomputed ones, which neither the demo data nor the synthetic batch has)."""
+    from mmengine.structures import InstanceData
+    g = torch.Generator().manual_seed(seed)
+    for sample in batch['data_samples']:
+        if sample.get('proposals') is not None:
+            continue
+        h, w = sample.img_shape[:2]
+        xy = torch.rand(num, 2, generator=g) * torch.tensor([w * 0.7, h * 0.7])
+        wh = (torch.rand(num, 2, generator=g) * 0.3 + 0.05) * torch.tensor([w, h])
+        sample.proposals = InstanceData(bboxes=torch.cat([xy, xy + wh], 1),
+                                        scores=torch.rand(num, generator=g))
+    notes.append(f'{num} random proposals per image (Fast R-CNN without RPN)')
+
+
+def _runner_info(cfg: Config) -> None:
+    """What mmengine's Runner puts in the message hub before the first iteration
+    (TOOD's head reads ``epoch``; other heads read ``iter`` / ``max_iters``)."""
+    from mmengine.logging import MessageHub
+    hub = MessageHub.get_current_instance()
+    hub.update_info('epoch', 0)
+    hub.update_info('iter', 0)
+    train_cfg = cfg.get('train_cfg') or {}
+    if train_cfg.get('max_epochs') is not None:
+        hub.update_info('max_epochs', train_cfg['max_epochs'])
+    if train_cfg.get('max_iters') is not None:
+        hub.update_info('max_iters', train_cfg['max_iters'])
+
+
+def _build_optim_wrapper(model, cfg: Config, notes: List[str]):
+    """The config's optimizer wrapper, built before the first forward as mmengine's
+    Runner does (some models, e.g. DDQ-DETR, share modules only after a forward)."""
     from mmengine.optim import build_optim_wrapper
     from mmengine.registry import init_default_scope
     wrapper_cfg = copy.deepcopy(cfg.optim_wrapper)
@@ -226,6 +319,5 @@ def _optimizer_step(model, cfg: Config, notes: List[str]) -> None:
         wrapper = build_optim_wrapper(model, wrapper_cfg)
     finally:
         logger.setLevel(level)
-    wrapper.step()
-    wrapper.zero_grad()
+    return wrapper
 

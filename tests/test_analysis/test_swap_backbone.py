@@ -345,34 +345,100 @@ def test_source_strides_exact_or_measured(scope, backbone, strides, how):
                                           for i in backbone.get('out_indices', (2, 3, 4)))
 
 
-# one training iteration of the written config (synthetic batch, CPU)
+# one training iteration of the written config (CPU): real demo images through the
+# config's train pipeline, or the synthetic batch where that pipeline cannot run here
 TRAIN_SMOKE = [
     ('mmdet::mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic.py', 'flatten-pvt-v2-b0',
-     ('loss_cls', 'loss_mask', 'loss_dice')),
+     ('loss_cls', 'loss_mask', 'loss_dice'),
+     'synthetic: the train pipeline loads panoptic annotations (LoadPanopticAnnotations, '
+     'CocoPanopticDataset not present); the demo data CocoDataset has instance annotations '
+     'only'),
     ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
-     ('decode.loss_cls', 'decode.loss_mask', 'decode.loss_dice')),
+     ('decode.loss_cls', 'decode.loss_mask', 'decode.loss_dice'),
+     'demo: 2 images of demo data demo/data/ade_mini/ADEChallengeData2016 (ADE20KDataset '
+     'not present)'),
     ('mmdet::yolox/yolox_tiny_8xb8-300e_coco.py', 'sima-xcit-n12-p16',
-     ('loss_cls', 'loss_bbox', 'loss_obj')),
+     ('loss_cls', 'loss_bbox', 'loss_obj'),
+     'demo: 2 images of demo data demo/data/coco_mini (CocoDataset not present)'),
     ('mmdet::convnext/mask-rcnn_convnext-t-p4-w7_fpn_amp-ms-crop-3x_coco.py', 'pvt-v2-b0',
-     ('loss_rpn_cls', 'loss_cls', 'loss_mask')),
+     ('loss_rpn_cls', 'loss_cls', 'loss_mask'),
+     'demo: 2 images of demo data demo/data/coco_mini (CocoDataset not present)'),
 ]
 
 
-@pytest.mark.parametrize('src,name,loss_keys', TRAIN_SMOKE,
-                         ids=[osp.basename(s)[:-3] for s, _, _ in TRAIN_SMOKE])
-def test_train_smoke(tmp_path, src, name, loss_keys):
-    """--train-smoke: one iteration of the written config on a synthetic batch gives
-    finite losses of every head and a gradient to every trainable backbone parameter,
-    and the config's optimizer steps."""
+@pytest.mark.parametrize('src,name,loss_keys,batch', TRAIN_SMOKE,
+                         ids=[osp.basename(s)[:-3] for s, _, _, _ in TRAIN_SMOKE])
+def test_train_smoke(tmp_path, src, name, loss_keys, batch):
+    """--train-smoke: one iteration of the written config gives finite losses of every
+    head and a gradient to every trainable backbone parameter, and the config's optimizer
+    steps; the report says which batch it used (demo images through the config's own
+    pipeline, or synthetic and why)."""
     from flatten_mm.analysis.swap_smoke import train_smoke
     out = tmp_path / 'new.py'
     swap_backbone(src, name, str(out))
     report = train_smoke(str(out), input_hw=(128, 128), batch_size=2)
+    assert report.batch.startswith(batch), report.batch
+    assert f'batch: {report.batch}' in report.summary()
     for key in loss_keys:
         assert key in report.losses, (key, sorted(report.losses))
     assert all(torch.isfinite(torch.tensor(v)) for v in report.losses.values())
     assert report.backbone_params > 0 and report.no_grad == [] and report.nonfinite == []
     assert report.ok
+
+
+def test_demo_batch_is_the_demo_data_through_the_config_pipeline():
+    """The mmdet batch holds bundled COCO images with exactly their annotations (every
+    non-crowd object, labels mapped like CocoDataset), resized by the config's own
+    pipeline scaled to the smoke size; the mmseg batch holds ADE20K images cropped to it
+    with labels in 0..149 / 255 (reduce_zero_label)."""
+    import json
+    from collections import Counter
+    from flatten_mm.analysis.swap_demo import DEMO_ROOT, demo_batch
+    cfg, _ = load_source_config('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py')
+    batch, desc = demo_batch(cfg, (128, 128), batch_size=3, num_classes=80)
+    assert desc.startswith('3 images of demo data demo/data/coco_mini (CocoDataset not '
+                           "present) through the config's train pipeline (sizes x0.16")
+    with open(osp.join(DEMO_ROOT, 'coco_mini', 'annotations', 'instances_train2017.json')) as f:
+        coco = json.load(f)
+    cat2label = {c['id']: i for i, c in enumerate(sorted(coco['categories'],
+                                                         key=lambda c: c['id']))}
+    for img, sample in zip(batch['inputs'], batch['data_samples']):
+        assert sample.img_path.startswith(osp.join(DEMO_ROOT, 'coco_mini', 'train2017'))
+        image = next(i for i in coco['images']
+                     if i['file_name'] == osp.basename(sample.img_path))
+        anns = [a for a in coco['annotations']
+                if a['image_id'] == image['id'] and not a.get('iscrowd', 0)]
+        assert len(anns) > 0
+        assert Counter(sample.gt_instances.labels.tolist()) == Counter(
+            cat2label[a['category_id']] for a in anns)
+        assert len(sample.gt_instances.masks) == len(anns)
+        # Resize (1333, 800) scaled by 128/800 to (213, 128), keep_ratio
+        hw = tuple(img.shape[1:])
+        assert img.dtype == torch.uint8 and max(hw) <= 213 and (max(hw) == 213 or min(hw) == 128)
+        assert tuple(img.shape[1:]) == tuple(sample.img_shape)
+    cfg, _ = load_source_config('mmseg::segformer/segformer_mit-b0_8xb2-160k_ade20k-512x512.py')
+    batch, desc = demo_batch(cfg, (128, 128), batch_size=2, num_classes=150)
+    assert 'demo/data/ade_mini/ADEChallengeData2016 (ADE20KDataset not present)' in desc
+    for img, sample in zip(batch['inputs'], batch['data_samples']):
+        assert sample.img_path.startswith(osp.join(DEMO_ROOT, 'ade_mini'))
+        # RandomResize (2048, 512) x [0.5, 2] and RandomCrop (512, 512), scaled by 1/4
+        assert max(img.shape[1:]) <= 128 and min(img.shape[1:]) >= 64
+        labels = set(sample.gt_sem_seg.data.unique().tolist())
+        assert labels <= set(range(150)) | {255} and labels - {255}
+
+
+def test_demo_batch_refuses_what_the_demo_data_cannot_feed():
+    """The reasons the smoke falls back to a synthetic batch: fewer classes than the demo
+    labels (Cityscapes' 19), panoptic annotations the demo data lacks."""
+    from flatten_mm.analysis.swap_demo import DemoUnavailable, demo_batch
+    cfg, _ = load_source_config('mmseg::ocrnet/ocrnet_hr18s_4xb2-40k_cityscapes-512x1024.py')
+    with pytest.raises(DemoUnavailable, match=r"^the model has 19 classes and the demo data "
+                       r"\(ADE20KDataset\) labels 150; the config's dataset CityscapesDataset "
+                       'is not present$'):
+        demo_batch(cfg, (128, 128), num_classes=19)
+    cfg, _ = load_source_config('mmdet::mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic.py')
+    with pytest.raises(DemoUnavailable, match='loads panoptic annotations'):
+        demo_batch(cfg, (128, 128), num_classes=133)
 
 
 def test_train_smoke_reports_backbone_parameters_without_gradient(tmp_path):
@@ -394,3 +460,75 @@ def test_train_smoke_reports_backbone_parameters_without_gradient(tmp_path):
     assert 'no gradient: backbone.fpn1.' in report.summary()
     ok = train_smoke(str(out), input_hw=(128, 128))  # as written: every parameter
     assert ok.ok and ok.no_grad == []
+
+
+# families beyond the cases above: written config, one forward, one training iteration
+# on real demo images through the config's own train pipeline (flatten-pvt-v2-b0, the
+# smallest backbone, unless said; smoke size 128, SSDlite its 320 input_size; fewer
+# RoIs). Options: size, backbone, train=False (forward only: DINO, whose training step
+# at the 256 it needs costs ~90 s here; tools/analysis/swap_sweep.py trains it), batch
+# (the expected batch: MaskFormer's panoptic pipeline cannot run on the demo data).
+FAMILIES = [
+    ('mmdet::fcos/fcos_r50-caffe_fpn_gn-head_1x_coco.py', 'loss_centerness', {}),
+    ('mmdet::atss/atss_r50_fpn_1x_coco.py', 'loss_centerness', {}),
+    ('mmdet::gfl/gfl_r50_fpn_1x_coco.py', 'loss_dfl', {}),
+    ('mmdet::tood/tood_r50_fpn_1x_coco.py', 'loss_bbox', {}),  # reads the hub's epoch
+    ('mmdet::solov2/solov2-light_r18_fpn_ms-3x_coco.py', 'loss_mask', {}),
+    # 900 queries selected from the encoder's tokens: a 128x128 image has 340
+    ('mmdet::dino/dino-4scale_r50_8xb2-12e_coco.py', None, dict(size=256, train=False)),
+    ('mmdet::yolox/yolox_s_8xb8-300e_coco.py', 'loss_obj', {}),
+    ('mmdet::rtmdet/rtmdet_s_8xb32-300e_coco.py', 'loss_bbox', {}),
+    # CSPNeXtPAFPN GN(32) on half of each width: b0's 160 does not fit (refused above)
+    ('mmdet::rtmdet/rtmdet_l_swin_b_4xb32-100e_coco.py', 'loss_bbox',
+     dict(backbone='flatten-pvt-v2-b1')),
+    ('mmdet::ssd/ssdlite_mobilenetv2-scratch_8xb24-600e_coco.py', 'loss_cls', {}),
+    ('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py', 'loss_mask', {}),
+    ('mmdet::convnext/cascade-mask-rcnn_convnext-t-p4-w7_fpn_4conv1fc-giou_amp-ms-crop-3x_coco.py',
+     's2.loss_mask', {}),
+    ('mmdet::mask2former/mask2former_swin-t-p4-w7-224_8xb2-lsj-50e_coco.py', 'd0.loss_mask', {}),
+    ('mmdet::maskformer/maskformer_swin-l-p4-w12_64xb1-ms-300e_coco.py', 'loss_dice',
+     dict(batch='synthetic: the train pipeline loads panoptic annotations')),
+    ('mmseg::segformer/segformer_mit-b0_8xb2-160k_ade20k-512x512.py', 'decode.loss_ce', {}),
+    ('mmseg::twins/twins_pcpvt-s_fpn_fpnhead_8xb4-80k_ade20k-512x512.py', 'decode.loss_ce', {}),
+    ('mmseg::convnext/convnext-tiny_upernet_8xb2-amp-160k_ade20k-512x512.py', 'aux.loss_ce', {}),
+    ('mmseg::mask2former/mask2former_swin-t_8xb2-160k_ade20k-512x512.py', 'decode.loss_mask',
+     {}),
+    ('mmseg::maskformer/maskformer_swin-t_upernet_8xb2-160k_ade20k-512x512.py',
+     'decode.loss_dice', {}),
+    ('mmseg::ocrnet/ocrnet_hr18s_4xb4-80k_ade20k-512x512.py', 'decode_1.loss_ce', {}),
+    ('mmseg::segnext/segnext_mscan-t_1xb16-adamw-160k_ade20k-512x512.py', 'decode.loss_ce', {}),
+]
+
+
+@pytest.mark.parametrize('src,loss_key,opts', FAMILIES,
+                         ids=[osp.basename(c[0])[:-3] for c in FAMILIES])
+def test_family_forward_and_train_smoke(tmp_path, src, loss_key, opts):
+    """The written config reads the new backbone's channels, runs one forward and one
+    training iteration on the bundled demo images (its own pipeline): finite losses of
+    its heads, a gradient for every trainable backbone parameter, an optimizer step."""
+    from flatten_mm.analysis.swap_smoke import train_smoke
+    name = opts.get('backbone', 'flatten-pvt-v2-b0')
+    out = tmp_path / 'new.py'
+    swap_backbone(src, name, str(out))
+    cfg = Config.fromfile(str(out))
+    spec = get_backbone_spec(name)
+    model_backbone = spec.build(out_indices=cfg.model.backbone.out_indices)
+    declared = list(model_backbone.out_channels)
+    for key, read in _readers(cfg).items():
+        if isinstance(read, list):
+            assert read == declared, key
+        else:
+            chans, idx = read
+            assert (chans == declared[idx] if isinstance(idx, int)
+                    else list(chans) == [declared[i] for i in idx]), key
+    size = cfg.get('input_size') or opts.get('size', 128)
+    shapes = verify_config(cfg, input_hw=(size, size))
+    assert [s[1] for s in shapes] == declared
+    if not opts.get('train', True):
+        return
+    report = train_smoke(cfg, input_hw=(size, size), few_rois=True)
+    expected = opts.get('batch', 'demo: 2 images of demo data demo/data/')
+    assert report.batch.startswith(expected), report.batch
+    assert loss_key in report.losses, sorted(report.losses)
+    assert report.ok and report.no_grad == [] and report.nonfinite == [], report.summary()
+    assert report.backbone_params == sum(1 for _ in model_backbone.parameters())
