@@ -10,8 +10,10 @@ heads, ``out_indices``, ``custom_imports``, the weight-decay rules and (with
 ``--checkpoint``) ``init_cfg``; see ``flatten_mm/analysis/swap.py``. Nothing is written
 when the config cannot be adapted or NEW_CONFIG exists (without ``--force``).
 ``--verify`` builds the new model on CPU and runs one forward; ``--train-smoke`` runs one
-training iteration on a synthetic batch (no dataset needed) and checks that the losses
-are finite and every trainable backbone parameter gets a gradient (exit status 1 if not).
+training iteration on real images through the config's own train pipeline (its dataset,
+else the bundled demo images; a synthetic batch when that pipeline cannot run on them,
+see ``flatten_mm/analysis/swap_demo.py``) and checks that the losses are finite and every
+trainable backbone parameter gets a gradient (exit status 1 if not).
 """
 import argparse
 import os.path as osp
@@ -21,6 +23,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from flatten_mm.analysis.catalogue import format_catalogue  # noqa: E402
 from flatten_mm.analysis.swap import swap_backbone, verify_config  # noqa: E402
+from flatten_mm.analysis.swap_demo import DemoUnavailable  # noqa: E402
 from flatten_mm.analysis.swap_smoke import train_smoke  # noqa: E402
 
 
@@ -34,9 +37,13 @@ def parse_args(argv=None):
     p.add_argument('--verify', action='store_true',
                    help='build the new model on CPU and run one forward at 224x256')
     p.add_argument('--train-smoke', action='store_true',
-                   help='run one training iteration on CPU on a synthetic batch (random '
-                   'images, boxes, masks, labels for the config\'s preprocessor): finite '
-                   'losses, a gradient for every backbone parameter, one optimizer step')
+                   help='run one training iteration on CPU (real images through the '
+                   'config\'s train pipeline: its dataset, else the bundled demo data; '
+                   'synthetic when that cannot run): finite losses, a gradient for every '
+                   'backbone parameter, one optimizer step')
+    p.add_argument('--smoke-data', choices=('auto', 'real', 'synthetic'), default='auto',
+                   help='batch of --train-smoke: auto (real images, synthetic fallback), '
+                   'real (an error instead of the fallback) or synthetic')
     p.add_argument('--smoke-size', type=int, nargs=2, default=(256, 256), metavar=('H', 'W'),
                    help='image size of --train-smoke (default 256 256)')
     p.add_argument('--list', action='store_true',
@@ -63,7 +70,12 @@ def main(argv=None) -> int:
         print('verified: built and ran one forward; backbone maps ' +
               ', '.join('x'.join(map(str, s[1:])) for s in shapes))
     if args.train_smoke:
-        report = train_smoke(args.out, input_hw=tuple(args.smoke_size))
+        try:
+            report = train_smoke(args.out, input_hw=tuple(args.smoke_size),
+                                 data=args.smoke_data)
+        except DemoUnavailable as exc:
+            print(f'error: --smoke-data real: {exc}', file=sys.stderr)
+            return 1
         print(report.summary())
         if not report.ok:
             print('error: the training iteration did not give finite losses and a gradient '

@@ -106,8 +106,16 @@ def load_source_config(src: str) -> Tuple[Config, str]:
         raise
     # mmengine parses a scoped _base_ name with a regex that stops at characters like
     # '+' (mmdet::gn+ws/...): inherit such a config by its file path
-    scoped_ok = '::' in src and re.fullmatch(r'[A-Za-z0-9_]+::[A-Za-z0-9_./-]+', src)
-    return cfg, (src if scoped_ok else path)
+    return cfg, (src if '::' in src and _scoped_name_parses(src) else path)
+
+
+def _scoped_name_parses(src: str) -> bool:
+    from mmengine.config.utils import _get_package_and_cfg_path
+    try:
+        _get_package_and_cfg_path(src)
+    except ValueError:
+        return False
+    return True
 
 
 def _missing_base_packages(path: str, seen=None) -> List[str]:
@@ -384,10 +392,17 @@ def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: Li
                  + (' (deepest map first)' if ntype in _REVERSED_NECKS else ''))
 
 
+#: necks with ``start_level`` whose structure is fixed to the level count (NAS-FCOS's
+#: searched cells index levels): given every map, their start_level kept
+_FIXED_LEVEL_NECKS = ('NASFCOS_FPN', )
+
+
 def _unread_leading_maps(neck, num_maps: int) -> int:
     """How many leading backbone maps an FPN-like neck with ``start_level > 0`` (and
     ``end_level=-1``) receives but never reads (RetinaNet's FPN: 1)."""
     if neck is None or isinstance(neck, (list, tuple)):
+        return 0
+    if _strip_scope(neck.get('type')) in _FIXED_LEVEL_NECKS:
         return 0
     start = neck.get('start_level', 0)
     chans = neck.get('in_channels')
@@ -670,14 +685,28 @@ def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
 
 
 def _needs_predict(model) -> bool:
-    """mmdet single-stage instance segmentors with a bbox head (CondInst, BoxInst), whose
-    ``_forward`` computes the bbox head's loss."""
+    """mmdet models whose inference graph ``dense_forward`` cannot run with tensors
+    only: single-stage instance segmentors with a bbox head (CondInst, BoxInst: their
+    ``_forward`` computes the bbox head's loss), query-based RPNs (EmbeddingRPNHead:
+    Sparse R-CNN, QueryInst) and SCNet's RoI head."""
     if not type(model).__module__.startswith('mmdet.'):
         return False
+    from mmdet.models.dense_heads import EmbeddingRPNHead
     from mmdet.models.detectors.single_stage_instance_seg import \
         SingleStageInstanceSegmentor
-    return isinstance(model, SingleStageInstanceSegmentor) and getattr(
-        model, 'with_bbox', False)
+    from mmdet.models.roi_heads import SCNetRoIHead
+    return ((isinstance(model, SingleStageInstanceSegmentor)
+             and getattr(model, 'with_bbox', False))
+            or isinstance(getattr(model, 'rpn_head', None), EmbeddingRPNHead)
+            or isinstance(getattr(model, 'roi_head', None), SCNetRoIHead))
+
+
+def _predict(model, x) -> None:
+    from mmdet.structures import DetDataSample
+    hw = tuple(x.shape[-2:])
+    model.predict(x, [DetDataSample(metainfo=dict(
+        img_shape=hw, pad_shape=hw, ori_shape=hw, batch_input_shape=hw,
+        scale_factor=(1., 1.))) for _ in range(x.shape[0])], rescale=False)
 
 
 def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
@@ -694,7 +723,8 @@ def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
     if input_hw is None:
         size = cfg.get('input_size')
         input_hw = (size, size) if isinstance(size, int) else (224, 256)
-    model = build_model(cfg)
+    from mmengine.model import revert_sync_batchnorm
+    model = revert_sync_batchnorm(build_model(cfg))  # SyncBN needs a process group
     x = torch.randn(1, 3, *input_hw)
     with torch.no_grad():
         feats = model.backbone(x)
@@ -709,12 +739,9 @@ def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
             roi_head_dummy_forward(model.roi_head, model.extract_feat(x), rois)
         elif _needs_predict(model):
             # CondInst / BoxInst: mmdet's _forward runs the bbox head's loss (needs ground
-            # truth); the predict graph runs the same modules
-            from mmdet.structures import DetDataSample
-            hw = tuple(input_hw)
-            model.predict(x, [DetDataSample(metainfo=dict(
-                img_shape=hw, pad_shape=hw, ori_shape=hw, batch_input_shape=hw,
-                scale_factor=(1., 1.)))], rescale=False)
+            # truth); Sparse R-CNN / QueryInst (EmbeddingRPNHead) and SCNet have no
+            # tensor-only RPN / RoI forward: the predict graph runs the same modules
+            _predict(model, x)
         elif head is not None and not _uses_in_index(type(head)):
             # mmseg MaskFormer-style heads need the image metas: run the predict graph
             hw = tuple(input_hw)

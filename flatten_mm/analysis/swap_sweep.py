@@ -154,7 +154,8 @@ def _missing_package(exc: BaseException) -> str:
     import re
     if isinstance(exc, ModuleNotFoundError) and exc.name:
         return exc.name
-    m = re.search(r'(\S+) is not installed', str(exc))
+    m = (re.search(r'(\S+) is not installed', str(exc))
+         or re.search(r'pip install (\S+?)["\'\s]', str(exc)))
     return m.group(1) if m else ''
 
 

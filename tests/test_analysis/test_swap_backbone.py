@@ -286,6 +286,12 @@ def test_cli(tmp_path, capsys):
     assert '--force' in capsys.readouterr().err
     assert cli.main([src, '--backbone', 'nope', '-o', str(tmp_path / 'b.py')]) == 1
     assert 'unknown backbone' in capsys.readouterr().err and not (tmp_path / 'b.py').exists()
+    # --smoke-data real: no silent synthetic fallback where the pipeline cannot run
+    pan = 'mmdet::mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic.py'
+    assert cli.main([pan, '--backbone', 'flatten-pvt-v2-b0', '-o', str(tmp_path / 'c.py'),
+                     '--train-smoke', '--smoke-data', 'real', '--smoke-size', '64', '64']) == 1
+    assert 'error: --smoke-data real: the train pipeline loads panoptic annotations' in \
+        capsys.readouterr().err
 
 
 def test_catalogue_covers_every_arch():
