@@ -45,6 +45,8 @@ setup(
         'seg': ['addict', 'packaging', 'Pillow', 'pyyaml', 'yapf', 'opencv-python',
                 'prettytable', 'ftfy', 'regex', 'scipy', 'matplotlib'],
         'dev': ['pytest', 'pytest-timeout', 'fvcore'],
+        # ONNX export (torch.onnx dynamo exporter) and ONNX Runtime (flatten_mm.deploy)
+        'deploy': ['onnx==1.23.2', 'onnxruntime==1.32.0', 'onnxscript==0.7.2'],
     },
     license='Apache-2.0',
     zip_safe=False,

@@ -84,14 +84,16 @@ if ! have mmdet 3.3.0 || ! have mmsegmentation 1.2.2; then
   "${PIP[@]}" install -q --no-deps mmdet==3.3.0 mmsegmentation==1.2.2
 fi
 
-log "installing flatten_mm (editable) with extras det,seg,dev"
-"${PIP[@]}" install -q --no-build-isolation -e "$ROOT[det,seg,dev]"
+log "installing flatten_mm (editable) with extras det,seg,dev,deploy (onnx, onnxruntime, onnxscript)"
+"${PIP[@]}" install -q --no-build-isolation -e "$ROOT[det,seg,dev,deploy]"
 
 "$VPY" - <<'PYEOF'
 import mmcv, mmcv.ops, mmdet, mmseg, mmengine, timm, torch
+import onnx, onnxruntime, onnxscript
 import flatten_mm
 print(f'torch {torch.__version__} | mmcv {mmcv.__version__} (ops ok) | mmengine {mmengine.__version__} | '
       f'mmdet {mmdet.__version__} | mmseg {mmseg.__version__} | timm {timm.__version__} | flatten_mm {flatten_mm.__version__}')
+print(f'onnx {onnx.__version__} | onnxruntime {onnxruntime.__version__} | onnxscript {onnxscript.__version__}')
 PYEOF
 log "building the fused QuadTree CPU kernel (once per machine and torch version)"
 "$VPY" - <<'PYEOF' || log "(the kernel is optional: the pure-PyTorch path is used without it)"

@@ -97,10 +97,11 @@ def _build() -> None:
 
 def quadtree_level_kernel() -> Optional[Callable]:
     """``torch.ops.flatten_mm.quadtree_level`` (see the C++ source), building it on the
-    first call; ``None`` when disabled, while compiling a graph, or if the build failed
-    (warned once; ``RuntimeError`` instead when ``FLATTEN_MM_REQUIRE_CPU_KERNELS=1``)."""
+    first call; ``None`` when disabled, while compiling a graph or exporting to ONNX
+    (``flatten_mm.deploy`` also switches the kernels off around its export), or if the build
+    failed (warned once; ``RuntimeError`` instead when ``FLATTEN_MM_REQUIRE_CPU_KERNELS=1``)."""
     global _loaded, _error
-    if not enabled() or torch.compiler.is_compiling():
+    if not enabled() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
         return None
     if _loaded is None:
         with _lock:

@@ -1,0 +1,194 @@
+"""What is exported: a module ``x (B, 3, H, W) -> tuple of tensors`` and its description.
+
+* bare backbone: input the normalised image batch, outputs the backbone's NCHW maps;
+* mmseg segmentor: input a float32 RGB 0-255 batch (the config's ``data_preprocessor``
+  normalisation is part of the graph), output the decode head's logits
+  (``model(x, mode='tensor')``, ``(B, num_classes, H / 4, W / 4)`` for Semantic FPN);
+* mmdet detector, same input: single-stage (RetinaNet, ...) the raw head outputs of
+  ``mode='tensor'`` (per level ``cls_score`` then per level ``bbox_pred``); two-stage
+  (Mask R-CNN, ...) backbone + neck + RPN head (per level RPN ``cls_score`` then
+  ``bbox_pred``). The proposal selection (NMS: data-dependent box count) and the RoI
+  heads (``mmcv.ops.RoIAlign``, a C++ extension function that ``torch.export`` cannot
+  trace) are not in the graph; mmdeploy replaces exactly these with its own rewrites and
+  custom ONNX Runtime ops.
+"""
+import os.path as osp
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+#: bundled real image used by ``--check`` (COCO val2017, see demo/data/SOURCES.md)
+DEMO_IMAGE = osp.join(_ROOT, 'demo', 'data', 'coco_mini', 'val2017', '000000037777.jpg')
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+
+
+@dataclass
+class ExportTarget:
+    """A module to export and what describes its graph.
+
+    Attributes:
+        module: ``x (1, 3, H, W) -> tuple of tensors``, eval mode.
+        kind: ``backbone``, ``segmentor`` or ``detector``.
+        name: catalogue name or config file.
+        input_format: what the graph input is (written to the file's metadata).
+        output_names: one name per output tensor.
+        min_hw: smallest input the model accepts (``min_input_size()`` of the backbone).
+        notes: what of the model is not in the graph, and why.
+    """
+
+    module: nn.Module
+    kind: str
+    name: str
+    input_format: str
+    output_names: List[str]
+    min_hw: Tuple[int, int] = (1, 1)
+    notes: List[str] = field(default_factory=list)
+
+    def example_input(self, hw: Sequence[int]) -> torch.Tensor:
+        """The bundled demo image resized to ``hw`` in this target's input format."""
+        return load_demo_image(hw, normalize=self.kind == 'backbone')
+
+
+def load_demo_image(hw: Sequence[int], normalize: bool = False) -> torch.Tensor:
+    """``demo/data`` COCO image resized (bilinear) to ``hw``: ``(1, 3, H, W)`` float32 RGB
+    0-255, or ImageNet-normalised with ``normalize``."""
+    from PIL import Image
+    H, W = int(hw[0]), int(hw[1])
+    img = Image.open(DEMO_IMAGE).convert('RGB').resize((W, H), Image.BILINEAR)
+    x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1)[None]
+    if normalize:
+        x = (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(
+            IMAGENET_STD).view(1, 3, 1, 1)
+    return x.contiguous()
+
+
+class _Flatten(nn.Module):
+    """Flattens nested list / tuple outputs of ``fn(x)`` into one tuple."""
+
+    def __init__(self, model: nn.Module, fn):
+        super().__init__()
+        self.model = model
+        self._fn = fn
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        out = []
+
+        def walk(o):
+            if isinstance(o, (list, tuple)):
+                for item in o:
+                    walk(item)
+            else:
+                out.append(o)
+
+        walk(self._fn(self.model, x))
+        return tuple(out)
+
+
+class _Normalized(nn.Module):
+    """RGB 0-255 input -> the config's ``data_preprocessor`` normalisation -> ``inner``."""
+
+    def __init__(self, inner: nn.Module, mean: torch.Tensor, std: torch.Tensor,
+                 to_bgr: bool):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer('mean', mean.reshape(1, 3, 1, 1).float().clone())
+        self.register_buffer('std', std.reshape(1, 3, 1, 1).float().clone())
+        self.to_bgr = to_bgr
+
+    def forward(self, x: torch.Tensor):
+        if self.to_bgr:
+            x = x.flip(1)
+        return self.inner((x - self.mean) / self.std)
+
+
+def backbone_target(name: str, model: Optional[nn.Module] = None) -> ExportTarget:
+    """A bare backbone: catalogue ``name`` (random weights) or the given ``model``."""
+    if model is None:
+        from ..analysis.catalogue import get_backbone_spec
+        model = get_backbone_spec(name).build()
+    model = model.eval()
+    n = len(model.out_indices) if hasattr(model, 'out_indices') else len(model.out_channels)
+    strides = list(getattr(model, 'out_strides', [None] * n))
+    names = [f'out{i}_stride{s}' if s else f'out{i}' for i, s in enumerate(strides[:n])]
+    min_hw = tuple(model.min_input_size()) if hasattr(model, 'min_input_size') else (1, 1)
+    return ExportTarget(
+        _Flatten(model, lambda m, x: m(x)), 'backbone', name,
+        'float32 (1, 3, H, W), ImageNet-normalised RGB (the tensor the backbone takes)',
+        names, min_hw)
+
+
+def _preprocessor_norm(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    dp = model.data_preprocessor
+    mean = getattr(dp, 'mean', None)
+    std = getattr(dp, 'std', None)
+    if mean is None or std is None or not getattr(dp, '_enable_normalize', True):
+        mean, std = torch.zeros(3), torch.ones(3)
+    swap = bool(getattr(dp, '_channel_conversion', getattr(dp, 'channel_conversion', False)))
+    # configs load BGR; with bgr_to_rgb their mean/std are RGB-ordered, so an RGB input is
+    # normalised directly; without, the model sees BGR and the RGB input is flipped first
+    return mean, std, not swap
+
+
+def config_target(config, checkpoint: Optional[str] = None,
+                  cfg_options: Optional[dict] = None) -> ExportTarget:
+    """An mmseg segmentor or mmdet detector built from ``config`` (path or Config),
+    with ``checkpoint`` loaded when given (random weights otherwise)."""
+    from mmengine.config import Config
+    from ..analysis.forward import build_model
+    cfg = config if isinstance(config, Config) else Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    scope = cfg.get('default_scope')
+    model = build_model(cfg)
+    if checkpoint:
+        from mmengine.runner import load_checkpoint
+        load_checkpoint(model, checkpoint, map_location='cpu')
+    model.eval()
+    name = osp.basename(getattr(config, 'filename', None) or str(config))
+    backbone = model.backbone
+    min_hw = tuple(backbone.min_input_size()) if hasattr(backbone, 'min_input_size') else (1, 1)
+    mean, std, to_bgr = _preprocessor_norm(model)
+    fmt = ('float32 (1, 3, H, W), RGB 0-255 (the config\'s data_preprocessor mean/std '
+           'are in the graph; no resize or padding)')
+    notes: List[str] = []
+    if scope == 'mmseg':
+        inner = _Flatten(model, lambda m, x: m(x, mode='tensor'))
+        names = ['seg_logits']
+        kind = 'segmentor'
+        notes.append('output: decode-head logits at the head\'s resolution (mode=\'tensor\'); '
+                     'resize to the image and argmax outside the graph')
+    elif scope == 'mmdet':
+        kind = 'detector'
+        if getattr(model, 'with_rpn', False) or hasattr(model, 'rpn_head'):
+            def fn(m, x):
+                return m.rpn_head(m.extract_feat(x))
+            head = 'rpn'
+            notes.append(
+                'two-stage detector: backbone + neck + RPN head are exported (per level RPN '
+                'cls_score, bbox_pred). Not exported: the proposal selection (NMS over a '
+                'data-dependent number of boxes) and the RoI bbox / mask heads, which run '
+                'mmcv.ops.RoIAlign (a C++ extension function outside torch.export); mmdeploy '
+                'replaces these with its own rewrites and custom ONNX Runtime ops')
+        else:
+            def fn(m, x):
+                return m(x, mode='tensor')
+            head = 'head'
+            notes.append('single-stage detector: raw head outputs of mode=\'tensor\' (per level '
+                         'cls_score, bbox_pred); anchor decoding and NMS are not in the graph')
+        inner = _Flatten(model, fn)
+        with torch.no_grad():
+            probe = inner(torch.zeros(1, 3, max(64, min_hw[0]), max(64, min_hw[1])))
+        n = len(probe) // 2
+        names = ([f'{head}_cls_score_l{i}' for i in range(n)] +
+                 [f'{head}_bbox_pred_l{i}' for i in range(n)])
+        if len(probe) != 2 * n:
+            names = [f'out{i}' for i in range(len(probe))]
+    else:
+        raise ValueError(f'{name}: default_scope must be mmdet or mmseg, got {scope!r}')
+    module = _Normalized(inner, mean, std, to_bgr).eval()
+    return ExportTarget(module, kind, name, fmt, names, min_hw, notes)
