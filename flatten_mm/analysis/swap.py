@@ -58,6 +58,14 @@ IMAGENET_STD = [58.395, 57.12, 57.375]
 NO_DECAY_TABLES = ('positional_encoding', 'pos_embed', 'absolute_pos_embed',
                    'relative_position_bias_table')
 
+#: heads that read a source backbone's own structure instead of a pyramid (and why)
+UNSUPPORTED_HEADS = {
+    'DDRHead': "DDRHead reads DDRNet's own outputs (one map at inference, the (context, "
+               'spatial) branch pair in training), not a pyramid of maps',
+    'PIDHead': "PIDHead reads PIDNet's own P / I / D branch outputs (a tuple of three maps "
+               'in training), not a pyramid of maps',
+}
+
 #: necks that cannot be adapted (and why)
 UNSUPPORTED_NECKS = {
     'RFP': 'the recursive FPN feeds features back into a DetectoRS ResNet',
@@ -250,11 +258,13 @@ def _map_channels(values, indices: Sequence[int], channels: Sequence[int], what:
             raise SwapError(f'{what} has a single in_channels ({values}) but reads '
                             f'{len(indices)} backbone maps')
         return channels[indices[0]]
+    as_tuple = isinstance(values, tuple)  # some necks assert a tuple (mmseg JPU)
     values = list(values)
     if len(values) != len(indices):
         raise SwapError(f'{what} has {len(values)} in_channels {values} but reads '
                         f'{len(indices)} backbone maps')
-    return [channels[i] for i in indices]
+    new = [channels[i] for i in indices]
+    return tuple(new) if as_tuple else new
 
 
 #: heads of mmdet detectors without a neck that read every backbone map through
@@ -381,6 +391,9 @@ def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: Li
         if isinstance(head, dict) and list(_as_list(head.get('in_channels', []))) == outs:
             overrides['bbox_head'] = dict(in_channels=list(new_first['out_channels']))
             notes.append(f'bbox_head: in_channels {outs} -> {new_first["out_channels"]}')
+    if ntype == 'JPU':
+        _jpu_passthrough_heads(model, first, list(_as_list(new_first['in_channels'])),
+                               overrides, notes)
     if isinstance(neck, (list, tuple)):  # lists are replaced, not merged
         necks = [copy.deepcopy(dict(n)) for n in neck]
         necks[0].update(new_first)
@@ -390,6 +403,27 @@ def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: Li
     notes.append(f'neck {ntype}: in_channels {list(_as_list(first["in_channels"]))} -> '
                  f'{list(_as_list(new_first["in_channels"]))}'
                  + (' (deepest map first)' if ntype in _REVERSED_NECKS else ''))
+
+
+def _jpu_passthrough_heads(model: dict, jpu: dict, new_in: List[int], overrides: dict,
+                           notes: List[str]) -> None:
+    """mmseg's JPU returns its inputs ``start_level .. end_level - 1`` unchanged before
+    its fused map: heads whose ``in_index`` picks one of them (FastFCN's auxiliary FCN
+    head) read a backbone map, whose channels change."""
+    start = jpu.get('start_level', 0)
+    end = jpu.get('end_level', -1)
+    end = len(new_in) if end == -1 else end
+    passed = new_in[start:end - 1]
+    for key in ('decode_head', 'auxiliary_head'):
+        heads = model.get(key)
+        if not isinstance(heads, dict):  # FastFCN configs use one head per key
+            continue
+        idx = heads.get('in_index', -1)
+        if isinstance(idx, int) and 0 <= idx < len(passed):
+            overrides[key] = dict(in_channels=passed[idx])
+            notes.append(f'{key} {_strip_scope(heads.get("type"))}: in_channels '
+                         f'{heads.get("in_channels")} -> {passed[idx]} (a backbone map '
+                         'the JPU passes through)')
 
 
 #: necks with ``start_level`` whose structure is fixed to the level count (NAS-FCOS's
@@ -495,6 +529,12 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
         ntype = _strip_scope(first.get('type'))
         if ntype in UNSUPPORTED_NECKS:
             raise SwapError(f'neck {ntype} cannot be adapted: {UNSUPPORTED_NECKS[ntype]}')
+    for key in ('decode_head', 'auxiliary_head', 'bbox_head'):
+        heads = model.get(key)
+        for head in heads if isinstance(heads, (list, tuple)) else [heads] if heads else []:
+            htype = _strip_scope(head.get('type')) if isinstance(head, dict) else None
+            if htype in UNSUPPORTED_HEADS:
+                raise SwapError(f'{key} {htype} cannot be adapted: {UNSUPPORTED_HEADS[htype]}')
     geometry = measure_source_backbone(src_backbone, scope, cfg.get('crop_size'))
     _check_strides(geometry, spec)
     strides = geometry.strides
@@ -724,7 +764,10 @@ def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
         size = cfg.get('input_size')
         input_hw = (size, size) if isinstance(size, int) else (224, 256)
     from mmengine.model import revert_sync_batchnorm
-    model = revert_sync_batchnorm(build_model(cfg))  # SyncBN needs a process group
+    from .swap_smoke import mmsyncbn_as_bn
+    cfg = copy.deepcopy(cfg)
+    mmsyncbn_as_bn(cfg.model)  # SyncBN / MMSyncBN need a process group
+    model = revert_sync_batchnorm(build_model(cfg))
     x = torch.randn(1, 3, *input_hw)
     with torch.no_grad():
         feats = model.backbone(x)

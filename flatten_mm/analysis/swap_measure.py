@@ -146,6 +146,11 @@ def _maps(out) -> List:
     import torch
     if isinstance(out, torch.Tensor):
         out = [out]
+    if isinstance(out, (list, tuple)) and out and all(
+            isinstance(o, (list, tuple)) and o and isinstance(o[0], torch.Tensor)
+            for o in out):
+        # ViTs with output_cls_token (DPT): (map, class token) per output; the map counts
+        out = [o[0] for o in out]
     if not isinstance(out, (list, tuple)) or not all(
             isinstance(o, torch.Tensor) and o.dim() == 4 for o in out):
         raise SwapError('its forward does not return a tuple of (B, C, H, W) maps')

@@ -95,9 +95,32 @@ def fewer_rois(train_cfg, notes: List[str]) -> None:
         notes.append('fewer RPN proposals (64) and sampled RoIs (32)')
 
 
+def mmsyncbn_as_bn(obj, notes: List[str] = None) -> None:
+    """Replace mmcv's ``MMSyncBN`` (which needs a process group to be built) by ``BN``
+    in a model config, in place (torch's ``SyncBN`` builds anywhere and is reverted
+    after the build)."""
+    found = []
+
+    def walk(o):
+        if isinstance(o, dict):
+            if o.get('type') == 'MMSyncBN':
+                o['type'] = 'BN'
+                found.append(1)
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    if found and notes is not None:
+        notes.append('MMSyncBN built as BN (no process group on one CPU)')
+
+
 def _smoke_model_cfg(cfg: Config, input_hw: Tuple[int, int], notes: List[str],
                      few_rois: bool = False) -> Config:
     cfg = copy.deepcopy(cfg)
+    mmsyncbn_as_bn(cfg.model, notes)
     if few_rois:
         fewer_rois(cfg.model.get('train_cfg'), notes)
     prep = cfg.model.get('data_preprocessor')

@@ -244,6 +244,15 @@ def test_sima_backbone_gets_the_maps_a_three_map_neck_reads():
     ('mmdet::rtmdet/rtmdet_l_convnext_b_4xb32-100e_coco.py', 'flatten-pvt-v2-b0',
      r'neck CSPNeXtPAFPN does not build with in_channels \[64, 160, 256\] of the new '
      r'backbone: .*num_channels \(80\) must be divisible by num_groups \(32\)'),
+    # heads that read a real-time net's own branches, not a pyramid
+    ('mmseg::ddrnet/ddrnet_23-slim_in1k-pre_2xb6-120k_cityscapes-1024x1024.py',
+     'flatten-pvt-v2-b0', r'^decode_head DDRHead cannot be adapted: DDRHead reads DDRNet'),
+    ('mmseg::pidnet/pidnet-s_2xb6-120k_1024x1024-cityscapes.py', 'flatten-pvt-v2-b0',
+     r'^decode_head PIDHead cannot be adapted: PIDHead reads PIDNet'),
+    # DPT's ViT returns (map, class token) pairs: measured from the maps, single-stride
+    ('mmseg::dpt/dpt_vit-b16_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
+     r'^the source backbone \(VisionTransformer\) returns all its 4 maps at stride 16: a '
+     'single-stride'),
     ('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py', 'flatten-pvt-v9', 'unknown backbone'),
     ('mmdet::mask_rcnn/no-such-config.py', 'flatten-pvt-v2-b0', 'config not found'),
 ])
@@ -252,6 +261,33 @@ def test_unadaptable_configs_write_nothing(tmp_path, src, name, match):
     with pytest.raises(ValueError, match=match):
         swap_backbone(src, name, str(out))
     assert not out.exists() and not (tmp_path / 'sub').exists()
+
+
+def test_plans_of_necks_with_their_own_rules():
+    """FastFCN's JPU passes backbone maps through to the auxiliary head (its in_channels
+    follow; the neck keeps the tuple JPU asserts); NAS-FCOS's searched FPN keeps its
+    start_level and every map; a scoped name mmengine cannot parse as a _base_ (the '+'
+    of gn+ws) is inherited by its file path."""
+    spec = get_backbone_spec('flatten-pvt-v2-b0')  # 32, 64, 160, 256
+    src = 'mmseg::fastfcn/fastfcn_r50-d32_jpu_aspp_4xb2-80k_cityscapes-512x1024.py'
+    cfg, base = load_source_config(src)
+    plan = plan_swap(cfg, base, spec)
+    assert plan.model['backbone']['out_indices'] == (1, 2, 3)
+    assert plan.model['neck'] == dict(in_channels=(64, 160, 256))
+    assert cfg.model.auxiliary_head.in_index == 1 and cfg.model.auxiliary_head.in_channels == 1024
+    assert plan.model['auxiliary_head'] == dict(in_channels=160)
+    assert 'decode_head' not in plan.model  # reads the JPU's own fused map
+    src = 'mmdet::nas_fcos/nas-fcos_r50-caffe_fpn_fcoshead-gn-head_4xb4-1x_coco.py'
+    cfg, base = load_source_config(src)
+    plan = plan_swap(cfg, base, spec)
+    assert plan.model['backbone']['out_indices'] == (0, 1, 2, 3)
+    assert plan.model['neck'] == dict(in_channels=[32, 64, 160, 256])  # start_level 1 kept
+    src = 'mmdet::gn+ws/faster-rcnn_r50_fpn_gn-ws-all_1x_coco.py'
+    cfg, base = load_source_config(src)
+    assert base.endswith(osp.join('configs', 'gn+ws', 'faster-rcnn_r50_fpn_gn-ws-all_1x_coco.py'))
+    assert osp.isabs(base)
+    text = swap_backbone(src, 'flatten-pvt-v2-b0')
+    assert f"_base_ = [{base!r}]" in text
 
 
 def test_existing_output_needs_force(tmp_path):
