@@ -254,8 +254,17 @@ def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size:
     torch.manual_seed(seed)
     model = revert_sync_batchnorm(build_model(cfg)).train()
     batch = None
+    roi = cfg.model.get('roi_head') or {}
     if data == 'synthetic':
         used = 'synthetic: requested'
+    elif scope == 'mmdet' and isinstance(roi, dict) and roi.get('semantic_head'):
+        # HTC / SCNet: the semantic head needs COCO-stuff label maps
+        msg = (f'the RoI head has a semantic head ({roi["semantic_head"].get("type")}), '
+               'which needs stuff label maps; the demo data has instance annotations only')
+        if data == 'real':
+            from .swap_demo import DemoUnavailable as _Unavailable
+            raise _Unavailable(msg)
+        used = f'synthetic: {msg}'
     else:
         things, _ = _num_classes(cfg.model)
         try:
