@@ -3,8 +3,8 @@
 One representative config per family directory of ``<package>/.mim/configs``: the first
 ``.py`` file of the directory, in sorted file-name order (then of its sub-directories),
 that can be read and whose ``model`` has a ``backbone`` dict. A directory without one
-(trackers, whose backbone is under ``model.detector``; dataset-only / ``_base_``
-folders) is listed with that reason; a directory whose configs cannot be read here
+(trackers, semi-supervised and Detectron2 wrappers, whose detector is under
+``model.detector``; dataset-only folders) is listed with that reason; a directory whose configs cannot be read here
 (another package's ``_base_``) gets the reading error of its first file.
 
 For each representative, the backbone is swapped (``swap.swap_backbone``); a
@@ -67,6 +67,10 @@ class SweepRow:
     seconds: str = ''
 
 
+def _type_name(t) -> str:
+    return t.rsplit('.', 1)[-1] if isinstance(t, str) else getattr(t, '__name__', str(t))
+
+
 def configs_root(scope: str) -> str:
     from mmengine.config.utils import MODULE2PACKAGE
     from mmengine.utils import get_installed_path
@@ -92,6 +96,7 @@ def representative(scope: str, family: str) -> Tuple[Optional[str], str]:
     from .swap import load_source_config
     root = configs_root(scope)
     first_error = ''
+    wrapped = ''
     files = _family_files(root, family)
     for rel in files:
         name = f'{scope}::{rel}'
@@ -104,22 +109,17 @@ def representative(scope: str, family: str) -> Tuple[Optional[str], str]:
         model = cfg.get('model')
         if isinstance(model, dict) and isinstance(model.get('backbone'), dict):
             return name, ''
+        if isinstance(model, dict) and isinstance(model.get('detector'), dict):
+            wrapped = wrapped or _type_name(model.get('type'))
     if not files:
         return None, 'no config files'
     why = 'no config with a model.backbone'
-    if _has_detector_backbone(root, files):
-        why += ' (trackers / video models: the backbone is under model.detector)'
+    if wrapped:
+        why += (f' (e.g. {wrapped} wraps a detector config under model.detector: swap '
+                'the backbone of that detector config instead)')
     if first_error:
         why += f'; first unreadable: {first_error}'
     return None, why
-
-
-def _has_detector_backbone(root: str, files: List[str]) -> bool:
-    for rel in files[:3]:
-        with open(osp.join(root, rel), encoding='utf-8') as f:
-            if 'detector' in f.read():
-                return True
-    return False
 
 
 def families(scope: str) -> List[str]:

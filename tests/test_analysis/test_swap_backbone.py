@@ -574,3 +574,30 @@ def test_family_forward_and_train_smoke(tmp_path, src, loss_key, opts):
     assert loss_key in report.losses, sorted(report.losses)
     assert report.ok and report.no_grad == [] and report.nonfinite == [], report.summary()
     assert report.backbone_params == sum(1 for _ in model_backbone.parameters())
+
+
+def test_sweep_representative_and_table(tmp_path):
+    """tools/analysis/swap_sweep.py: the representative of a family is its first config
+    in sorted file-name order with a model.backbone; wrappers are skipped with the
+    reason; a refusal row carries the tool's reason; the CSV round-trips (a rerun replaces
+    the family's row) and the Markdown counts the statuses."""
+    from flatten_mm.analysis.swap_sweep import (SweepRow, append_row, configs_root,
+                                                read_rows, render_markdown,
+                                                representative, sweep_one)
+    root = configs_root('mmdet')
+    first = sorted(f for f in os.listdir(osp.join(root, 'atss')) if f.endswith('.py'))[0]
+    assert representative('mmdet', 'atss') == (f'mmdet::atss/{first}', '')
+    src, why = representative('mmdet', 'qdtrack')
+    assert src is None and 'QDTrack wraps a detector config under model.detector' in why
+    row = sweep_one('mmseg', 'pspnet', 'flatten-pvt-v2-b0', str(tmp_path))
+    assert row.status == 'refused' and 'Dilated' in row.reason and row.forward == ''
+    csv_path = str(tmp_path / 'sweep.csv')
+    append_row(csv_path, row)
+    append_row(csv_path, SweepRow('mmdet', 'atss', 'atss/x.py', 'failed', 'forward: boom'))
+    append_row(csv_path, SweepRow('mmdet', 'atss', 'atss/x.py', 'adapted', '', '128', 'ok',
+                                  'ok', 'yes', '184/184', 'demo: 2 images'))
+    rows = read_rows(csv_path)
+    assert [(r.family, r.status) for r in rows] == [('pspnet', 'refused'), ('atss', 'adapted')]
+    md = render_markdown(rows, 'flatten-pvt-v2-b0', 128)
+    assert 'Status: 1 adapted, 1 refused (2 families).' in md
+    assert '| mmdet | atss | `x.py` | adapted |  | 128 | ok | ok | yes | 184/184 | demo |' in md
