@@ -30,8 +30,9 @@ a few families and otherwise measured by building the source backbone without we
 and running one small forward (``swap_measure``). Structures that cannot be mapped
 raise ``SwapError`` (a ``ValueError``) with the reason, before anything is written:
 dilated backbones (several maps at stride 8), single-stride backbones (plain ViTs,
-Hourglass), HRNet / recursive FPNs, C4 detectors, or a source backbone that cannot be
-built here (its package is missing). A SimA backbone gets ``out_indices`` like the
+Hourglass, BEiT / MAE measured at their own ``img_size``), HRNet / recursive FPNs, C4
+detectors, heads that read a real-time net's own branches (DDRNet, PIDNet), or a source
+backbone that cannot be built here (its package is missing). A SimA backbone gets ``out_indices`` like the
 others (its XCiT block choice, ``block_indices``, keeps its default).
 """
 import copy
