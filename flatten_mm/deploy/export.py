@@ -3,10 +3,12 @@
 Exporter: the dynamo one (``torch.onnx.export(dynamo=True)``, torch.export + onnxscript).
 The TorchScript exporter (``dynamo=False``) records Python integers computed from the
 input size (``H // stride``, window padding, positional tables resized to the token grid)
-as constants, so with ``dynamic_axes`` its files run at a second size with wrong reshapes
-or broadcast errors, and it cannot export the in-place focused-kernel code; torch.export
-keeps these sizes symbolic and refuses (instead of baking in) a shape branch it cannot
-keep general, so what it writes is either general or reported.
+as constants, so with ``dynamic_axes`` its files fail at a second size (reshapes to the
+export grid, broadcast errors), and it stops on the FLA core with dynamic axes; torch.export
+keeps these sizes symbolic. It can still specialise the input (a shape branch: the ONNX
+input then has fixed dims) or freeze a size computed in Python (``int(h * 2.0)``: the graph
+keeps dynamic dims but is wrong elsewhere); both are detected below (input dims, and a run
+at a second size) and the file is then declared fixed-size.
 
 Size range (``metadata_props``): ``min_hw`` / ``max_hw`` / ``export_hw`` / ``dynamic`` /
 ``static_reason``. With ``dynamic`` the range is the one torch.export was asked to keep
