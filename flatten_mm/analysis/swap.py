@@ -387,7 +387,10 @@ def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: Li
         old_in = list(_as_list(first['in_channels']))
         new_in = list(_as_list(new_first['in_channels']))
         outs = list(first['out_channels'])
-        new_first['out_channels'] = new_in + outs[len(old_in):]
+        new_out = new_in + outs[len(old_in):]
+        # SSDNeck asserts in_channels == out_channels[:len(in_channels)]: same container
+        new_first['out_channels'] = (tuple(new_out) if isinstance(new_first['in_channels'],
+                                                                  tuple) else new_out)
         head = model.get('bbox_head')
         if isinstance(head, dict) and list(_as_list(head.get('in_channels', []))) == outs:
             overrides['bbox_head'] = dict(in_channels=list(new_first['out_channels']))

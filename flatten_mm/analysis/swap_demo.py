@@ -178,7 +178,7 @@ def scale_pipelines(ds: dict, target: int) -> float:
 
 
 def demo_batch(cfg: Config, input_hw: Tuple[int, int], batch_size: int = 2,
-               num_classes: Optional[int] = None) -> Tuple[dict, str]:
+               num_classes: Optional[int] = None, seed: int = 0) -> Tuple[dict, str]:
     """``batch_size`` samples of the config's train pipeline on its dataset if present,
     else on the demo data, collated as a dataloader would.
 
@@ -187,6 +187,7 @@ def demo_batch(cfg: Config, input_hw: Tuple[int, int], batch_size: int = 2,
         input_hw: the smoke size ``(H, W)``; the pipelines' sizes are scaled so that the
             largest becomes ``max(input_hw)``.
         num_classes: classes of the model's heads (the demo labels must fit).
+        seed: seeds ``random`` / ``numpy`` for the pipeline's random transforms.
 
     Returns:
         ``(batch, description)``: ``batch`` is ``dict(inputs=[uint8 (3, h, w)...],
@@ -246,6 +247,11 @@ def demo_batch(cfg: Config, input_hw: Tuple[int, int], batch_size: int = 2,
             dataset = DATASETS.build(ds)
         if len(dataset) == 0:
             raise DemoUnavailable(f'{where}: the dataset is empty after its filters')
+        import random
+
+        import numpy as np
+        random.seed(seed)  # the pipeline's random transforms: one batch per seed
+        np.random.seed(seed)
         samples = [dataset[i % len(dataset)] for i in range(batch_size)]
     except DemoUnavailable:
         raise

@@ -268,7 +268,8 @@ def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size:
     else:
         things, _ = _num_classes(cfg.model)
         try:
-            batch, desc = demo_batch(cfg, input_hw, batch_size, num_classes=things)
+            batch, desc = demo_batch(cfg, input_hw, batch_size, num_classes=things,
+                                     seed=seed)
             used = ('demo: ' if 'demo data' in desc else 'dataset: ') + desc
         except DemoUnavailable as exc:
             if data == 'real':

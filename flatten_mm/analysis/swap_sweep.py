@@ -262,6 +262,21 @@ def sweep_one(scope: str, family: str, backbone: str, work_dir: str, size: int =
         if not rep.ok:
             row.status = 'failed'
             row.reason = 'train smoke: ' + '; '.join(rep.summary().splitlines()[2:])
+            nonfinite = [k for k, v in rep.losses.items() if not math.isfinite(v)]
+            if nonfinite:  # does the unswapped source (random init too) do the same?
+                from .swap_smoke import train_smoke
+                src_cfg, _ = load_source_config(src)
+                try:
+                    with _time_limit(time_limit):
+                        src_rep = train_smoke(src_cfg, input_hw=(n, n), few_rois=True,
+                                              step=False)
+                    if any(not math.isfinite(src_rep.losses.get(k, 0.)) for k in nonfinite):
+                        row.status = 'source-fails'
+                        row.reason = ('adapted; the unswapped source config (random init, '
+                                      'the same demo images and seed) gives non-finite '
+                                      f'{", ".join(nonfinite)} too')
+                except Exception:  # noqa: BLE001 -- keep 'failed' with its reason
+                    traceback.print_exc()
     return done(row)
 
 
