@@ -7,6 +7,9 @@ configs use). Each rewrite computes the same values in a form torch.export keeps
   and the exported file then resizes to the export size at every input size. For an
   integral ``scale_factor`` (2 in every mmseg config) the rewrite uses ``t * int(sf)``:
   the same sizes, kept symbolic.
+* ``QuadTreeAttention`` inference: every level as one chunk
+  (``quadtree_attention.levels_in_one_chunk``): the chunk loop is Python, so the traced
+  graph would hold every chunk unrolled (5x slower export at 256x256, impractical at 512x512).
 """
 import contextlib
 from typing import Iterator, List
@@ -41,6 +44,11 @@ def export_rewrites() -> Iterator[List[str]]:
         Upsample.forward = _mmseg_upsample_forward(original)
         undo.append(lambda: setattr(Upsample, 'forward', original))
         applied.append('mmseg.models.utils.Upsample')
+    from flatten_mm.models.layers.quadtree_attention import levels_in_one_chunk
+    stack = contextlib.ExitStack()
+    stack.enter_context(levels_in_one_chunk())
+    undo.append(stack.close)
+    applied.append('flatten_mm QuadTreeAttention (levels in one chunk)')
     try:
         yield applied
     finally:

@@ -16,8 +16,11 @@ import torch
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), '..', 'test_reliability'))
 from backbone_specs import build, registered_backbones  # noqa: E402
 
-pytest.importorskip('onnxruntime', reason='the deploy extra (pip install -e .[deploy]) is '
-                    'not installed')
+try:  # a hard requirement: the environment the README builds installs the deploy extra
+    import onnxruntime  # noqa: F401
+except ImportError as e:
+    raise ImportError('tests/test_deploy need the deploy extra: pip install -e .[deploy] '
+                      '(scripts/setup_env.sh installs it)') from e
 
 from flatten_mm.deploy import OnnxModel, backbone_target, export_onnx  # noqa: E402
 from flatten_mm.deploy.export import compare_with_pytorch  # noqa: E402
@@ -77,3 +80,15 @@ def test_size_check_refuses_out_of_range():
         check_input_shape(meta, (2, 3, 64, 64))
     with pytest.raises(ValueError, match=r'expected a \(B, 3, H, W\) input'):
         check_input_shape(meta, (1, 64, 64))
+
+
+def test_export_rewrites_run_quadtree_levels_in_one_chunk():
+    """The export wraps the model in ``export_rewrites``; inside it QuadTree's inference
+    levels are one chunk each (a compact graph), and the switch is undone afterwards."""
+    from flatten_mm.deploy.rewrites import export_rewrites
+    from flatten_mm.models.layers import quadtree_attention as qa
+    assert qa._ONE_CHUNK is False
+    with export_rewrites() as applied:
+        assert qa._ONE_CHUNK is True
+        assert any('QuadTree' in a for a in applied)
+    assert qa._ONE_CHUNK is False

@@ -364,3 +364,29 @@ def test_chunking_does_not_change_results():
     small.load_state_dict(m.state_dict())
     x = torch.randn(2, 16 * 8, 8)
     torch.testing.assert_close(small(x, (16, 8)), m(x, (16, 8)))
+
+
+def test_levels_in_one_chunk_same_values_one_chunk(monkeypatch):
+    """The export-time switch: a level that normally runs in several chunks of parent rows
+    runs as one (counted at ``_group_children``, called once per chunk), same values."""
+    from flatten_mm.models.layers import quadtree_attention as qa
+    # tiny budgets so that the finer levels of a 32x24 map are chunked
+    monkeypatch.setattr(qa, '_LEVEL_ONE_CHUNK_ELEMENTS', 64)
+    monkeypatch.setattr(qa, '_DENSE_ONE_CHUNK_ELEMENTS', 64)
+    monkeypatch.setattr(qa, '_LEVEL_CHUNK_ELEMENTS', 64)
+    calls = []
+    group = qa._group_children
+    monkeypatch.setattr(qa, '_group_children', lambda *a: calls.append(1) or group(*a))
+    torch.manual_seed(0)
+    m = QuadTreeAttention(8, 2, num_levels=3, topk=4).eval()
+    x = torch.randn(1, 32 * 24, 8)
+    # the PyTorch inference path (the fused CPU kernel has no chunks)
+    with torch.no_grad(), qa.cpu_kernels.use_cpu_kernels(False):
+        chunked = m(x, (32, 24))
+        n_chunked = len(calls)
+        calls.clear()
+        with qa.levels_in_one_chunk():
+            whole = m(x, (32, 24))
+    assert n_chunked > 2 and len(calls) == 2  # 2 finer levels, one chunk each
+    assert qa._ONE_CHUNK is False  # restored on exit
+    torch.testing.assert_close(whole, chunked, rtol=1e-6, atol=1e-6)

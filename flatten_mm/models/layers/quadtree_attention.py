@@ -36,9 +36,10 @@ Implementation notes:
   A single-level B stage does not use it (the official code computes and discards it,
   failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
 """
+import contextlib
 import functools
 import math
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -162,7 +163,9 @@ def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: to
     M, K = key.shape[2], index.shape[-1]
     table = key.reshape(B * h * M, d).contiguous()
     per_parent = B * h * K * d
-    if query.device.type == 'cpu' and L * per_parent > _CHUNK_ABOVE_ELEMENTS:
+    if _ONE_CHUNK:
+        chunk = L
+    elif query.device.type == 'cpu' and L * per_parent > _CHUNK_ABOVE_ELEMENTS:
         chunk = min(chunk, max(1, _CACHE_CHUNK_ELEMENTS // per_parent))
 
     def scores(s: int, e: int) -> torch.Tensor:
@@ -440,6 +443,26 @@ _LEVEL_CHUNK_ELEMENTS = 1 << 19
 #: the same bound for levels scored by one dense GEMM (4 MiB: e.g. the 28x28 level of a
 #: 56x56 map in one piece, 0.8 ms faster than two chunks on 2 CPU threads)
 _DENSE_ONE_CHUNK_ELEMENTS = 1 << 20
+#: ``levels_in_one_chunk`` sets this: every inference level in one piece
+_ONE_CHUNK = False
+
+
+@contextlib.contextmanager
+def levels_in_one_chunk() -> Iterator[None]:
+    """Inside the block the inference path runs every level as one chunk.
+
+    For graph export (``flatten_mm.deploy``): the chunk loop is plain Python, so a traced
+    graph holds every chunk's ops unrolled (a QuadTree-B-b0 export at 256x256 takes ~5x
+    longer with the chunks) while one chunk gives the same values with ~15 ops per level;
+    the exported file then holds a level's gathered rows at once (more memory, no extra
+    compute). Not thread-safe: it sets a module flag.
+    """
+    global _ONE_CHUNK
+    previous, _ONE_CHUNK = _ONE_CHUNK, True
+    try:
+        yield
+    finally:
+        _ONE_CHUNK = previous
 #: on accelerators kernel launches, not caches, set the cost of a chunk (~20 launches):
 #: levels run in chunks of up to 16 Mi elements (64 MiB): a few chunks per level at most
 _DEVICE_LEVEL_CHUNK_ELEMENTS = 1 << 24
@@ -508,7 +531,7 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         chunk_elements = _LEVEL_CHUNK_ELEMENTS
     else:
         one_chunk = chunk_elements = _DEVICE_LEVEL_CHUNK_ELEMENTS
-    rows_per_chunk = hi // 2 if per_row * (hi // 2) <= one_chunk else \
+    rows_per_chunk = hi // 2 if _ONE_CHUNK or per_row * (hi // 2) <= one_chunk else \
         max(1, chunk_elements // per_row)
     for r0 in range(0, hi // 2, rows_per_chunk):
         r1 = min(hi // 2, r0 + rows_per_chunk)
