@@ -6,17 +6,13 @@ import os
 import os.path as osp
 import shlex
 import subprocess
+import sys
+
+sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+from benchmark_cli import load_cli  # noqa: E402
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 SCRIPT = osp.join(ROOT, 'scripts', 'gpu_session.sh')
-
-
-def _load_cli():
-    spec = importlib.util.spec_from_file_location('benchmark_cli',
-                                                  osp.join(ROOT, 'tools/analysis/benchmark.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _dry_run(**env):
@@ -32,7 +28,7 @@ def _dry_run(**env):
 
 
 def test_every_gpu_command_parses():
-    cli = _load_cli()
+    cli = load_cli()
     steps = _dry_run(OUT='/tmp/never-written')
     expected = {'profile_fp32', 'profile_bf16', 'check', 'steps_fp32_triton1',
                 'steps_bf16_triton1', 'steps_fp32_triton0', 'steps_bf16_triton0',

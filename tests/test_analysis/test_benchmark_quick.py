@@ -3,24 +3,19 @@
 No timing is asserted: the benchmark is a tool, not a timed test.
 """
 import csv
-import importlib.util
 import math
 import os.path as osp
+import sys
 
 import pytest
 import torch
 
 from flatten_mm.analysis import benchmark as bm
 
+sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+from benchmark_cli import load_cli  # noqa: E402
+
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-
-
-def _load_cli():
-    spec = importlib.util.spec_from_file_location('benchmark_cli',
-                                                  osp.join(ROOT, 'tools/analysis/benchmark.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -32,7 +27,7 @@ def restore_threads():
 
 def test_quick_cli_writes_csv_png_and_tables(tmp_path, capsys, restore_threads):
     pytest.importorskip('matplotlib')
-    cli = _load_cli()
+    cli = load_cli()
     out_csv, out_png = tmp_path / 'bench.csv', tmp_path / 'bench.png'
     rc = cli.main(['--quick', '--ops', '--backbones', '--threads', '1', '--no-memory',
                    '--csv', str(out_csv), '--png', str(out_png)])

@@ -6,8 +6,8 @@ ratio is computed from those rows, peak memory is reported, a training step real
 updates the parameters, autocast is applied, and the profile's counts follow their
 documented definitions.
 """
-import importlib.util
 import os.path as osp
+import sys
 
 import pytest
 import torch
@@ -15,18 +15,13 @@ import torch
 from flatten_mm.analysis import benchmark as bm
 from flatten_mm.analysis.benchmark import profiling, train
 
+sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
+from benchmark_cli import load_cli  # noqa: E402
+
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 PAIR = {'flatten-pvt-v2-tiny': ('pvt-v2-tiny (timm)', )}
 TINY = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 2),
             mlp_ratios=(2, 2, 2, 2))
-
-
-def _load_cli():
-    spec = importlib.util.spec_from_file_location('benchmark_cli',
-                                                  osp.join(ROOT, 'tools/analysis/benchmark.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tiny_flatten():
@@ -218,7 +213,7 @@ def test_markdown_tables_from_stored_csv(tmp_path, capsys):
     assert '| a vs b (timm) | 0.50 (2 / 4), mem 0.75 | 1.50 (9 / 6) |' in text
     csv_path, md_path = tmp_path / 'rows.csv', tmp_path / 'table.md'
     bm.write_csv([dict(r, suite='ratio', name=r['ours']) for r in ratios], str(csv_path))
-    cli = _load_cli()
+    cli = load_cli()
     assert cli.main(['--markdown', str(md_path), '--from-csv', str(csv_path)]) == 0
     written = md_path.read_text()
     assert '| a vs b (timm) | 0.50 (2 / 4), mem 0.75 | 1.50 (9 / 6) |' in written

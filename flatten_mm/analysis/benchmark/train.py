@@ -254,21 +254,30 @@ def run_step_benchmark(pairs: Optional[Dict[str, Sequence[str]]] = None,
                                  group=f'{ours}@{hw[0]}x{hw[1]}/{step}/{ex}', step=step,
                                  exec=ex, amp=amp_name, kernels=kernels_setting(),
                                  source=available[name].source)
-                    if key not in cases:
-                        rows.append(_row('step', name, None, device_, torch.float32, batch,
-                                         note=errors.get(key, 'not run'), **extra))
-                        continue
-                    row = _row('step', name, timings[key], device_, torch.float32, batch,
-                               **extra)
-                    if memory:
-                        peak = peak_memory_bytes(cases[key], device_, grad=step == 'train')
-                        row['peak_mem_mb'] = None if peak is None else peak / 2**20
-                    row['_wall'] = list(timings[key].wall)
-                    rows.append(row)
+                    rows.append(_measured_row('step', name, key, cases, timings, errors,
+                                              device_, batch, memory, step == 'train',
+                                              extra))
                 del cases
                 if device_.type == 'cuda':
                     torch.cuda.empty_cache()
     return rows
+
+
+def _measured_row(suite: str, name: str, key: str, cases: Dict[str, Callable],
+                  timings: Dict[str, Any], errors: Dict[str, str], device_: torch.device,
+                  batch: int, memory: bool, grad: bool,
+                  extra: Dict[str, Any]) -> Dict[str, Any]:
+    """The row of case ``key`` (model ``name``): its timing and peak memory, or the
+    error that kept it from running (``note``)."""
+    if key not in cases:
+        return _row(suite, name, None, device_, torch.float32, batch,
+                    note=errors.get(key, 'not run'), **extra)
+    row = _row(suite, name, timings[key], device_, torch.float32, batch, **extra)
+    if memory:
+        peak = peak_memory_bytes(cases[key], device_, grad=grad)
+        row['peak_mem_mb'] = None if peak is None else peak / 2**20
+    row['_wall'] = list(timings[key].wall)
+    return row
 
 
 def step_ratio_rows(rows: Sequence[Dict[str, Any]],
@@ -410,17 +419,8 @@ def run_whole_model_benchmark(input_hws: Sequence[Tuple[int, int]] = ((512, 512)
                              group=f'{ours}@{hw[0]}x{hw[1]}/train/eager', step='train',
                              exec='eager', amp=amp_name, kernels=kernels_setting(),
                              source='config')
-                if name not in cases:
-                    rows.append(_row('model_step', name, None, device_, torch.float32, batch,
-                                     note=errors.get(name, 'not run'), **extra))
-                    continue
-                row = _row('model_step', name, timings[name], device_, torch.float32, batch,
-                           **extra)
-                if memory:
-                    peak = peak_memory_bytes(cases[name], device_, grad=True)
-                    row['peak_mem_mb'] = None if peak is None else peak / 2**20
-                row['_wall'] = list(timings[name].wall)
-                rows.append(row)
+                rows.append(_measured_row('model_step', name, name, cases, timings, errors,
+                                          device_, batch, memory, True, extra))
             del cases
             if device_.type == 'cuda':
                 torch.cuda.empty_cache()
