@@ -1,9 +1,18 @@
-"""Shared test settings: seeds, thread count, the location of ../shared."""
+"""Shared test settings: seeds, thread count, the location of ../shared, Triton's
+interpreter."""
 import os
 import os.path as osp
 
-import pytest
-import torch
+# Triton decides when a function is decorated -- its own standard library (``tl.sum``,
+# ``tl.zeros``, ...) when ``triton`` is first imported -- whether kernels are interpreted.
+# torch.compile tests import triton long before tests/test_layers/test_fla_triton.py, and
+# interpreted kernels cannot call compiled-mode library functions, so the whole suite runs
+# with the interpreter on (it changes nothing for CPU code; real GPU checks are
+# tools/analysis/gpu_kernel_check.py, not this suite).
+os.environ.setdefault('TRITON_INTERPRET', '1')
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SHARED_DIR = os.environ.get('FLATTEN_MM_SHARED', osp.join(osp.dirname(REPO_ROOT), 'shared'))
