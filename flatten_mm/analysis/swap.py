@@ -351,9 +351,15 @@ def _mmseg_heads(model: dict, strides, channels, overrides: dict, notes: List[st
             if 'in_channels' not in head:
                 raise SwapError(f'{what} ({htype}) has no in_channels to adapt')
             new = _map_channels(head['in_channels'], idx, channels, f'{what} ({htype})')
-            new_heads.append(dict(in_channels=new))
+            update = dict(in_channels=new)
             notes.append(f'{what} {htype}: in_channels {head["in_channels"]} -> {new} '
                          f'(in_index {in_index})')
+            if htype == 'FCNHead' and head.get('num_convs', 2) == 0 and isinstance(new, int):
+                # no convs (Segmenter's linear head): FCNHead asserts channels == in_channels
+                update['channels'] = new
+                notes.append(f'{what} {htype}: channels {head.get("channels")} -> {new} '
+                             '(num_convs=0: the classifier reads the map itself)')
+            new_heads.append(update)
         if is_list:  # lists are replaced, not merged
             full = [copy.deepcopy(dict(h)) for h in heads]
             for h, n in zip(full, new_heads):

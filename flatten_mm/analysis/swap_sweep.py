@@ -155,7 +155,7 @@ def _missing_package(exc: BaseException) -> str:
     if isinstance(exc, ModuleNotFoundError) and exc.name:
         return exc.name
     m = (re.search(r'(\S+) is not installed', str(exc))
-         or re.search(r'pip install (\S+?)["\'\s]', str(exc)))
+         or re.search(r'pip install ([A-Za-z0-9_.\-]*[A-Za-z0-9_])', str(exc)))
     return m.group(1) if m else ''
 
 
@@ -287,17 +287,23 @@ def read_rows(csv_path: str) -> List[SweepRow]:
         return [SweepRow(**{k: r.get(k) or '' for k in COLUMNS}) for r in csv.DictReader(f)]
 
 
-def append_row(csv_path: str, row: SweepRow) -> None:
-    """Add ``row`` (replacing an earlier row of the same family) and rewrite the CSV."""
-    rows = [r for r in read_rows(csv_path) if (r.scope, r.family) != (row.scope, row.family)]
+def write_rows(csv_path: str, columns: List[str], rows) -> None:
+    """Rewrite ``csv_path`` with the dataclass ``rows`` atomically (a temporary file
+    replaced in one step, so a stopped sweep never leaves half a CSV)."""
     os.makedirs(osp.dirname(osp.abspath(csv_path)), exist_ok=True)
     tmp = f'{csv_path}.tmp{os.getpid()}'
     with open(tmp, 'w', newline='', encoding='utf-8') as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
-        for r in rows + [row]:
+        for r in rows:
             w.writerow(asdict(r))
     os.replace(tmp, csv_path)
+
+
+def append_row(csv_path: str, row: SweepRow) -> None:
+    """Add ``row`` (replacing an earlier row of the same family) and rewrite the CSV."""
+    rows = [r for r in read_rows(csv_path) if (r.scope, r.family) != (row.scope, row.family)]
+    write_rows(csv_path, COLUMNS, rows + [row])
 
 
 def _md_cell(text: str) -> str:

@@ -601,3 +601,139 @@ def test_sweep_representative_and_table(tmp_path):
     md = render_markdown(rows, 'flatten-pvt-v2-b0', 128)
     assert 'Status: 1 adapted, 1 refused (2 families).' in md
     assert '| mmdet | atss | `x.py` | adapted |  | 128 | ok | ok | yes | 184/184 | demo |' in md
+
+
+def test_mmsyncbn_built_as_bn(tmp_path):
+    """MMSyncBN (mmcv's, needs a process group to be built) becomes BN wherever it is in
+    a model config, once noted; torch's SyncBN is left (reverted after the build). The
+    swapped Simple Copy-Paste config (MMSyncBN heads) does not build as written on one
+    CPU process and builds with the fallback, as verify_config / the sweep build it."""
+    from flatten_mm.analysis.forward import build_model
+    from flatten_mm.analysis.swap_smoke import mmsyncbn_as_bn
+    from flatten_mm.analysis.swap_sweep_all import build_config
+    model = dict(neck=dict(norm_cfg=dict(type='SyncBN')),
+                 roi_head=dict(bbox_head=[dict(norm_cfg=dict(type='MMSyncBN', eps=1e-3)),
+                                          dict(norm_cfg=dict(type='MMSyncBN'))]),
+                 head=(dict(norm_cfg=dict(type='GN')), ))
+    notes = []
+    mmsyncbn_as_bn(model, notes)
+    assert model == dict(neck=dict(norm_cfg=dict(type='SyncBN')),
+                         roi_head=dict(bbox_head=[dict(norm_cfg=dict(type='BN', eps=1e-3)),
+                                                  dict(norm_cfg=dict(type='BN'))]),
+                         head=(dict(norm_cfg=dict(type='GN')), ))
+    assert notes == ['MMSyncBN built as BN (no process group on one CPU)']
+    notes = []
+    mmsyncbn_as_bn(model, notes)
+    assert notes == []  # nothing left to replace: no note
+    cfg = _swapped(tmp_path, 'mmdet::simple_copy_paste/mask-rcnn_r50_fpn_rpn-2conv_'
+                   '4conv1fc_syncbn-all_32xb2-ssj-270k_coco.py')
+    assert cfg.model.roi_head.bbox_head.norm_cfg.type == 'MMSyncBN'
+    with pytest.raises(ValueError, match='Default process group has not been initialized'):
+        build_model(cfg)
+    build_config(cfg)
+    assert cfg.model.roi_head.bbox_head.norm_cfg.type == 'MMSyncBN'  # the input unchanged
+
+
+def _swapped(tmp_path, src, backbone='flatten-pvt-v2-b0') -> Config:
+    """``src`` swapped to ``backbone``, written under ``tmp_path`` and read back."""
+    out = str(tmp_path / 'swapped.py')
+    swap_backbone(src, backbone, out)
+    return Config.fromfile(out)
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize('src,head', [
+    ('mmdet::htc/htc_r50_fpn_1x_coco.py', 'FusedSemanticHead'),
+    ('mmdet::scnet/scnet_r50_fpn_1x_coco.py', 'SCNetSemanticHead'),
+], ids=['htc', 'scnet'])
+def test_train_smoke_semantic_head_batch(tmp_path, monkeypatch, src, head):
+    """HTC / SCNet: the semantic head needs stuff label maps, which the demo data lacks:
+    --smoke-data real refuses with that reason; auto goes to the synthetic batch without
+    trying the demo pipeline."""
+    from flatten_mm.analysis import swap_demo, swap_smoke
+    cfg = _swapped(tmp_path, src)
+    with pytest.raises(swap_demo.DemoUnavailable) as err:
+        swap_smoke.train_smoke(cfg, input_hw=(64, 64), data='real')
+    assert str(err.value) == (f'the RoI head has a semantic head ({head}), which needs stuff '
+                              'label maps; the demo data has instance annotations only')
+
+    def no_demo(*a, **k):
+        raise AssertionError('the demo pipeline was tried')
+
+    seen = []
+
+    def synthetic(scope, model_cfg, input_hw, batch_size, seed=0):
+        seen.append((scope, model_cfg.roi_head.semantic_head.type, tuple(input_hw)))
+        raise _Stop
+
+    monkeypatch.setattr(swap_demo, 'demo_batch', no_demo)
+    monkeypatch.setattr(swap_smoke, 'synthetic_batch', synthetic)
+    with pytest.raises(_Stop):
+        swap_smoke.train_smoke(cfg, input_hw=(64, 64), data='auto')
+    assert seen == [('mmdet', head, (64, 64))]
+
+
+def test_train_smoke_builds_the_optimizer_before_the_forward(tmp_path, monkeypatch):
+    """DDQ-DETR registers bbox_head.aux_reg_branches under its decoder in its first
+    training forward; an optimizer built after that sees those parameters twice and
+    torch refuses. train_smoke builds it first, as mmengine's Runner does."""
+    from flatten_mm.analysis import swap_smoke
+    from flatten_mm.analysis.forward import build_model
+    cfg = _swapped(tmp_path, 'mmdet::ddq/ddq-detr-4scale_r50_8xb2-12e_coco.py')
+    model = build_model(cfg).train()
+    notes = []
+    wrapper = swap_smoke._build_optim_wrapper(model, cfg, notes)
+    grouped = [p for g in wrapper.optimizer.param_groups for p in g['params']]
+    assert len(grouped) == len({id(p) for p in grouped}) == \
+        sum(1 for p in model.parameters())
+    # what DDQDETR.pre_decoder does in training (mmdet 3.3 ddq_detr.py)
+    model.decoder.aux_reg_branches = model.bbox_head.aux_reg_branches
+    with pytest.raises(ValueError, match='some parameters appear in more than one parameter '
+                       'group'):
+        swap_smoke._build_optim_wrapper(model, cfg, notes)
+
+    state = []
+    real = swap_smoke._build_optim_wrapper
+
+    def record(model, cfg, notes):
+        state.append('aux_reg_branches' in model.decoder._modules)
+        real(model, cfg, notes)
+        raise _Stop
+
+    monkeypatch.setattr(swap_smoke, '_build_optim_wrapper', record)
+    with pytest.raises(_Stop):
+        swap_smoke.train_smoke(cfg, input_hw=(128, 128), data='synthetic', few_rois=True)
+    assert state == [False]  # built on the model before any forward
+
+
+def test_train_smoke_amp_wrapper_on_cpu(tmp_path):
+    """An AmpOptimWrapper config (CUDA-only) is stepped as OptimWrapper on CPU, without
+    loss_scale / dtype, and says so."""
+    from flatten_mm.analysis.swap_smoke import _build_optim_wrapper
+    from flatten_mm.analysis.forward import build_model
+    from mmengine.optim import OptimWrapper
+    cfg = _swapped(tmp_path, 'mmdet::atss/atss_r18_fpn_8xb8-amp-lsj-200e_coco.py')
+    assert cfg.optim_wrapper.type == 'AmpOptimWrapper'
+    notes = []
+    wrapper = _build_optim_wrapper(build_model(cfg), cfg, notes)
+    assert type(wrapper) is OptimWrapper
+    assert notes == ['AmpOptimWrapper run as OptimWrapper (CPU)']
+    assert cfg.optim_wrapper.type == 'AmpOptimWrapper'  # the config itself unchanged
+
+
+def test_fcn_head_without_convs_reads_the_new_width(tmp_path):
+    """Segmenter's linear head (FCNHead, num_convs=0: the classifier reads the backbone
+    map itself, channels == in_channels asserted) takes the new backbone's width for
+    both; found by tools/analysis/swap_sweep.py --all-configs (the build failed)."""
+    from flatten_mm.analysis.swap_sweep_all import build_config
+    cfg = _swapped(tmp_path, 'mmseg::segmenter/segmenter_vit-s_fcn_8xb1-160k_ade20k-512x512.py')
+    head = cfg.model.decode_head
+    assert (head.type, head.num_convs) == ('FCNHead', 0)
+    # the ViT's one map is at stride 16: b0's stride-16 map
+    width = dict(zip(get_backbone_spec('flatten-pvt-v2-b0').out_strides,
+                     get_backbone_spec('flatten-pvt-v2-b0').out_channels))[16]
+    assert head.in_channels == head.channels == width
+    build_config(cfg)

@@ -4,11 +4,16 @@
         [--scopes mmdet mmseg] [--families atss fcos ...] [--no-train]
         [--csv docs/swap_support.csv] [--md docs/swap_support.md] [--fresh]
         [--redo failed ...]
+    python tools/analysis/swap_sweep.py --all-configs [--families ...] [--time-limit 120]
+        [--csv docs/swap_support_all.csv] [--md docs/swap_support_all.md] [--fresh]
+        [--redo failed ...]
 
-Writes one CSV row per family as it goes (a rerun skips the families already in the
-CSV unless --fresh) and renders the Markdown table at the end (--render-only: just
-that). How the representative config is chosen and what is checked:
-``flatten_mm/analysis/swap_sweep.py``.
+Writes one CSV row per family (--all-configs: per config) as it goes (a rerun skips
+what is already in the CSV unless --fresh; --redo STATUS runs those rows again) and
+renders the Markdown table at the end (--render-only: just that). How the
+representative config is chosen and what is checked: ``flatten_mm/analysis/swap_sweep.py``;
+--all-configs (every config: swap and build, no forward / training):
+``flatten_mm/analysis/swap_sweep_all.py``.
 """
 import argparse
 import os
@@ -20,6 +25,28 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
 
 from flatten_mm.analysis.swap_sweep import (append_row, families, read_rows,  # noqa: E402
                                             render_markdown, sweep_one)
+from flatten_mm.analysis.swap_sweep_all import (append_all_row,  # noqa: E402
+                                                cached_metafiles, family_configs,
+                                                read_all_rows, render_markdown_all,
+                                                sweep_config)
+
+
+def run_all_configs(args) -> None:
+    """--all-configs: every config of the selected families, one CSV row each."""
+    done = {(r.scope, r.config) for r in read_all_rows(args.csv)
+            if r.status not in args.redo}
+    with tempfile.TemporaryDirectory() as work, cached_metafiles():
+        for scope in args.scopes:
+            for fam in families(scope):
+                if args.families and fam not in args.families:
+                    continue
+                for rel in family_configs(scope, fam):
+                    if (scope, rel) in done:
+                        continue
+                    row = sweep_config(scope, rel, args.backbone, work, args.time_limit)
+                    append_all_row(args.csv, row)
+                    print(f'{scope:5s} {rel[:70]:70s} {row.status:13s} {row.seconds:>5s}s '
+                          f'{(row.reason + " " + row.build_error)[:120]}', flush=True)
 
 
 def main(argv=None) -> int:
@@ -29,16 +56,36 @@ def main(argv=None) -> int:
     p.add_argument('--scopes', nargs='+', default=['mmdet', 'mmseg'])
     p.add_argument('--families', nargs='+', help='only these family directories')
     p.add_argument('--no-train', action='store_true', help='forward only')
-    p.add_argument('--csv', default='docs/swap_support.csv')
-    p.add_argument('--md', default='docs/swap_support.md')
+    p.add_argument('--all-configs', action='store_true',
+                   help='every config of every family: swap and build only (no forward '
+                   'or training); default CSV / Markdown docs/swap_support_all.*')
+    p.add_argument('--time-limit', type=int, default=None,
+                   help='seconds per check (default 600; --all-configs: 120 per config '
+                   'step)')
+    p.add_argument('--csv', help='default docs/swap_support.csv '
+                   '(--all-configs: docs/swap_support_all.csv)')
+    p.add_argument('--md', help='default docs/swap_support.md '
+                   '(--all-configs: docs/swap_support_all.md)')
     p.add_argument('--fresh', action='store_true', help='start a new CSV')
     p.add_argument('--redo', nargs='+', default=[], metavar='STATUS',
                    help='run again the families whose row has one of these statuses '
                    '(e.g. failed)')
     p.add_argument('--render-only', action='store_true')
     args = p.parse_args(argv)
+    stem = 'docs/swap_support_all' if args.all_configs else 'docs/swap_support'
+    args.csv = args.csv or f'{stem}.csv'
+    args.md = args.md if args.md is not None else f'{stem}.md'
+    args.time_limit = args.time_limit or (120 if args.all_configs else 600)
     if args.fresh and osp.exists(args.csv):
         os.remove(args.csv)
+    if args.all_configs:
+        if not args.render_only:
+            run_all_configs(args)
+        if args.md:
+            with open(args.md, 'w', encoding='utf-8') as f:
+                f.write(render_markdown_all(read_all_rows(args.csv), args.backbone))
+            print(f'wrote {args.md}')
+        return 0
     if not args.render_only:
         done = {(r.scope, r.family) for r in read_rows(args.csv)
                 if r.status not in args.redo}
@@ -48,7 +95,7 @@ def main(argv=None) -> int:
                     if (args.families and fam not in args.families) or (scope, fam) in done:
                         continue
                     row = sweep_one(scope, fam, args.backbone, work, args.size,
-                                    train=not args.no_train)
+                                    train=not args.no_train, time_limit=args.time_limit)
                     append_row(args.csv, row)
                     print(f'{scope:5s} {fam:24s} {row.status:8s} {row.seconds:>4s}s '
                           f'{row.reason[:150]}', flush=True)

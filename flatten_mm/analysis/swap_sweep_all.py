@@ -1,0 +1,336 @@
+"""Every-config pass of ``swap_backbone``: plan, write and build, no forward.
+
+``swap_sweep`` checks one representative config per family directory in depth (forward
+and one training step). This pass covers every ``.py`` config of every family directory
+of the installed ``<package>/.mim/configs`` (the directory's own files, then its
+sub-directories', in sorted order, as ``swap_sweep._family_files`` lists them) at the
+cost of a build only:
+
+1. the source config is read (``swap.load_source_config``; custom imports are not run);
+   a file that cannot be read here or whose ``model`` has no ``backbone`` dict is
+   ``skipped`` with the reason (a base config of another package that is not installed:
+   ``needs-package``; a new-style ``read_base`` config: ``refused``, as the tool says);
+2. the backbone is swapped and the new config written (``swap.swap_backbone``, which also
+   builds the neck on the new channels); a ``SwapError`` is a refusal, its message the
+   reason;
+3. the written config's model is built on CPU (``forward.build_model``, MMSyncBN as BN
+   since there is no process group); a build error that the unswapped source shows too,
+   with the same message, is ``source-fails``, a missing optional package
+   ``needs-package``, anything else ``failed``.
+
+Each config runs under a time limit (``swap_sweep._time_limit``). Rows are appended to a
+CSV keyed by (scope, config), so an interrupted sweep resumes, and rendered as Markdown
+with per-family counts and every refusal and failure with its reason
+(``render_markdown_all``).
+"""
+import contextlib
+import copy
+import csv
+import os
+import os.path as osp
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from mmengine.config import Config
+
+from .swap_measure import SwapError
+from .swap_sweep import (_family_files, _md_cell, _missing_package, _one_line, _time_limit,
+                         _type_name, configs_root, write_rows)
+
+#: the columns of the every-config table
+ALL_COLUMNS = ('scope', 'family', 'config', 'status', 'reason', 'build', 'build_error',
+               'seconds')
+
+#: statuses, in the order the Markdown counts them
+ALL_STATUSES = ('adapted', 'refused', 'needs-package', 'source-fails', 'failed', 'skipped')
+
+
+@dataclass
+class ConfigRow:
+    """One config's outcome in the every-config pass.
+
+    Attributes:
+        scope: ``mmdet`` / ``mmseg``.
+        family: the family directory.
+        config: the path under ``.mim/configs`` (``atss/atss_r50_fpn_1x_coco.py``).
+        status: ``adapted`` (written and built), ``refused`` (``SwapError``: ``reason``),
+            ``needs-package`` (an optional package that is not installed is needed to
+            read, swap or build it), ``source-fails`` (written, but the unswapped source
+            fails to build the same way here), ``failed`` (the swap or the build of the
+            written config failed: a bug; ``reason``), ``skipped`` (unreadable here or
+            no ``model.backbone``; ``reason``).
+        reason: why, for every status but ``adapted``.
+        build: ``ok`` / ``failed`` / ``''`` (not built).
+        build_error: the build's one-line error.
+        seconds: wall time of the config.
+    """
+
+    scope: str
+    family: str
+    config: str
+    status: str
+    reason: str = ''
+    build: str = ''
+    build_error: str = ''
+    seconds: str = ''
+
+
+@contextlib.contextmanager
+def cached_metafiles() -> Iterator[None]:
+    """Read each package's ``model-index.yml`` metafiles once while the block runs.
+
+    mmengine resolves every scoped ``_base_`` (``mmdet::atss/...``, the first line of
+    each written config) by parsing all the metafiles of the package again (~0.3 s per
+    name here); the sweep reads thousands. Inside the block
+    ``mmengine.config.utils._get_cfg_metainfo`` answers from a per-package index built
+    the same way (same result, same ``ValueError`` for a name without a metafile
+    entry); the original is restored on exit.
+    """
+    from mmengine.config import utils
+    from mmengine.fileio import load
+    original = utils._get_cfg_metainfo
+    index: Dict[str, dict] = {}
+
+    def metainfo(package_path: str, cfg_path: str) -> dict:
+        if package_path not in index:
+            cfg_dict = {}
+            mim = osp.join(package_path, '.mim')
+            for meta_path in load(osp.join(mim, 'model-index.yml'))['Import']:
+                for model_cfg in load(osp.join(mim, meta_path))['Models']:
+                    name = model_cfg.get('Config', '').partition('/')[-1]
+                    if name and name not in cfg_dict:  # the first weight, as mmengine
+                        cfg_dict[name] = model_cfg
+            index[package_path] = cfg_dict
+        if cfg_path not in index[package_path]:
+            raise ValueError(f'Expected configs: {index[package_path].keys()}, but got '
+                             f'{cfg_path}')
+        return index[package_path][cfg_path]
+
+    utils._get_cfg_metainfo = metainfo
+    try:
+        yield
+    finally:
+        utils._get_cfg_metainfo = original
+
+
+def family_configs(scope: str, family: str) -> List[str]:
+    """Every ``.py`` config of the family directory, as ``family/...`` paths under the
+    scope's ``.mim/configs``: its own files sorted, then its sub-directories'."""
+    return _family_files(configs_root(scope), family)
+
+
+def read_backbone_config(name: str) -> Tuple[Optional[Config], str, str]:
+    """Read the scoped config ``name`` as the swap tool does.
+
+    Returns:
+        ``(cfg, '', '')`` when it has a ``model.backbone`` dict, else
+        ``(None, status, reason)`` with status ``skipped`` (unreadable here, no backbone),
+        ``needs-package`` (its bases are in a package that is not installed) or
+        ``refused`` (the tool's refusal, e.g. a new-style ``read_base`` config).
+    """
+    from .swap import load_source_config
+    try:
+        cfg, _ = load_source_config(name)
+    except SwapError as exc:
+        status = 'needs-package' if 'which is not installed' in str(exc) else 'refused'
+        return None, status, str(exc)
+    except Exception as exc:  # noqa: BLE001 -- the reason of the skip
+        missing = _missing_package(exc)
+        if missing:
+            return None, 'needs-package', f'reading it needs {missing}: {_one_line(exc)}'
+        return None, 'skipped', f'cannot be read here: {_one_line(exc)}'
+    model = cfg.get('model')
+    if isinstance(model, dict) and isinstance(model.get('backbone'), dict):
+        return cfg, '', ''
+    if isinstance(model, dict) and isinstance(model.get('detector'), dict):
+        return None, 'skipped', (
+            f'no model.backbone ({_type_name(model.get("type"))} wraps a detector config '
+            'under model.detector: swap the backbone of that detector config instead)')
+    if not isinstance(model, dict):
+        return None, 'skipped', 'no model (a base / dataset / schedule config)'
+    if model.get('type') is None:
+        return None, 'skipped', ('no model.backbone (a partial model dict with '
+                                 f'{", ".join(sorted(model))}, for other configs to merge)')
+    return None, 'skipped', f'no model.backbone (model type {_type_name(model.get("type"))})'
+
+
+def build_config(cfg: Config) -> None:
+    """Build ``cfg.model`` on CPU as ``swap.verify_config`` does (MMSyncBN as BN: it
+    needs a process group), without running it."""
+    from .forward import build_model
+    from .swap_smoke import mmsyncbn_as_bn
+    cfg = copy.deepcopy(cfg)
+    mmsyncbn_as_bn(cfg.model)
+    build_model(cfg)
+
+
+def _try_build(cfg: Config, time_limit: int) -> Optional[BaseException]:
+    try:
+        with _time_limit(time_limit):
+            build_config(cfg)
+    except Exception as exc:  # noqa: BLE001 -- classified by the caller
+        return exc
+    return None
+
+
+def sweep_config(scope: str, rel: str, backbone: str, work_dir: str,
+                 time_limit: int = 120) -> ConfigRow:
+    """Swap ``scope::rel`` to ``backbone``, write it under ``work_dir`` and build it.
+
+    Args:
+        scope: ``mmdet`` / ``mmseg``.
+        rel: ``family/file.py`` under the scope's ``.mim/configs``.
+        backbone: catalogue name of the new backbone.
+        work_dir: where the written config goes (one file, overwritten per config).
+        time_limit: seconds for the swap and for each build.
+
+    Returns:
+        ConfigRow (see its statuses).
+    """
+    t0 = time.perf_counter()
+    row = ConfigRow(scope, rel.split('/', 1)[0], rel, 'adapted')
+
+    def done():
+        # paths of this machine's site-packages: 'mmdet/.mim/configs/...'
+        site = osp.dirname(osp.dirname(osp.dirname(configs_root(scope)))) + os.sep
+        row.reason = row.reason.replace(site, '')
+        row.build_error = row.build_error.replace(site, '')
+        row.seconds = f'{time.perf_counter() - t0:.1f}'
+        return row
+
+    name = f'{scope}::{rel}'
+    try:
+        with _time_limit(time_limit):
+            cfg, status, why = read_backbone_config(name)
+    except TimeoutError as exc:
+        cfg, status, why = None, 'failed', f'read: {_one_line(exc)}'
+    if cfg is None:
+        row.status, row.reason = status, why
+        return done()
+    from .swap import load_source_config, swap_backbone
+    out = osp.join(work_dir, f'{scope}_swapped.py')
+    try:
+        with _time_limit(time_limit):
+            swap_backbone(name, backbone, out, force=True)
+    except SwapError as exc:
+        row.status, row.reason = 'refused', str(exc)
+        return done()
+    except Exception as exc:  # noqa: BLE001 -- recorded
+        missing = _missing_package(exc)
+        if missing:
+            row.status, row.reason = 'needs-package', f'swap needs {missing}: {_one_line(exc)}'
+        else:
+            traceback.print_exc()
+            row.status, row.reason = 'failed', f'swap: {_one_line(exc)}'
+        return done()
+    exc = _try_build(Config.fromfile(out), time_limit)
+    if exc is None:
+        row.build = 'ok'
+        return done()
+    row.build, row.build_error = 'failed', _one_line(exc)
+    missing = _missing_package(exc)
+    if missing:
+        row.status = 'needs-package'
+        row.reason = f'written; building it needs {missing}, not installed here'
+        return done()
+    src_cfg, _ = load_source_config(name)
+    src_exc = _try_build(src_cfg, time_limit)
+    if src_exc is not None and _one_line(src_exc) == row.build_error:
+        row.status = 'source-fails'
+        row.reason = 'written; the unswapped source config fails to build the same way here'
+    else:
+        traceback.print_exc()
+        row.status = 'failed'
+        row.reason = 'build of the written config failed' + (
+            '' if src_exc is None else f' (the source fails differently: {_one_line(src_exc)})')
+    return done()
+
+
+# ------------------------------------------------------------------------------ CSV / MD
+def read_all_rows(csv_path: str) -> List[ConfigRow]:
+    """Rows of an every-config CSV (``[]`` when it does not exist)."""
+    if not osp.isfile(csv_path):
+        return []
+    with open(csv_path, newline='', encoding='utf-8') as f:
+        return [ConfigRow(**{k: r.get(k) or '' for k in ALL_COLUMNS})
+                for r in csv.DictReader(f)]
+
+
+def append_all_row(csv_path: str, row: ConfigRow) -> None:
+    """Add ``row`` (replacing an earlier row of the same scope and config) and rewrite
+    the CSV atomically."""
+    rows = [r for r in read_all_rows(csv_path)
+            if (r.scope, r.config) != (row.scope, row.config)]
+    write_rows(csv_path, ALL_COLUMNS, rows + [row])
+
+
+def status_counts(rows: List[ConfigRow]) -> dict:
+    """``{status: number of rows}`` in ``ALL_STATUSES`` order (absent statuses left
+    out)."""
+    counts = {}
+    for r in rows:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return {k: counts[k] for k in ALL_STATUSES if k in counts} | {
+        k: v for k, v in counts.items() if k not in ALL_STATUSES}
+
+
+def render_markdown_all(rows: List[ConfigRow], backbone: str) -> str:
+    """The Markdown page: how the pass was run, totals, per-family counts, then every
+    refusal, failure and needs-package / source-fails row with its reason."""
+    counts = status_counts(rows)
+    by_family = {}
+    for r in rows:
+        by_family.setdefault((r.scope, r.family), []).append(r)
+    lines = [
+        '# swap_backbone on every mmdet 3.3 / mmseg 1.2 config',
+        '',
+        'Generated by `python tools/analysis/swap_sweep.py --all-configs` '
+        f'(backbone `{backbone}`; do not edit by hand). Every `.py` config of every family '
+        'directory of the installed packages\' `.mim/configs` is read as '
+        '`tools/swap_backbone.py` reads it; one with a `model.backbone` is swapped (the '
+        'plan, the written config, its neck built on the new channels) and the written '
+        "config's model is built on CPU. Nothing is run: the forward and the training "
+        'step are checked per family in [swap_support.md](swap_support.md). Statuses: '
+        '`adapted` (written and built), `refused` (the tool\'s reason), `needs-package` '
+        '(an optional package not installed here), `source-fails` (the unswapped source '
+        'fails to build the same way here), `failed` (a bug: the swap or the build of '
+        'the written config failed), `skipped` (unreadable here or no `model.backbone`).',
+        '',
+        'Status: ' + ', '.join(f'{v} {k}' for k, v in counts.items())
+        + f' ({len(rows)} configs in {len(by_family)} families).',
+        '',
+        '## Per family',
+        '',
+        '| scope | family | configs | ' + ' | '.join(ALL_STATUSES) + ' |',
+        '| --- | --- | --- |' + ' --- |' * len(ALL_STATUSES),
+    ]
+    for (scope, fam), rs in sorted(by_family.items()):
+        c = status_counts(rs)
+        lines.append(f'| {scope} | {_md_cell(fam)} | {len(rs)} | '
+                     + ' | '.join(str(c.get(k, 0)) for k in ALL_STATUSES) + ' |')
+    sections = (('Failed', ('failed',), ('reason', 'build_error')),
+                ('Refused', ('refused',), ('reason',)),
+                ('Needs a package / fails unswapped too', ('needs-package', 'source-fails'),
+                 ('status', 'reason', 'build_error')),
+                ('Skipped', ('skipped',), ('reason',)))
+    for title, wanted, cols in sections:
+        listed = sorted((r for r in rows if r.status in wanted),
+                        key=lambda r: (r.scope, r.config))
+        lines += ['', f'## {title} ({len(listed)})', '']
+        if not listed:
+            lines.append('None.')
+            continue
+        lines += ['| scope | config | ' + ' | '.join(c.replace('_', ' ') for c in cols) + ' |',
+                  '| --- | --- |' + ' --- |' * len(cols)]
+        for r in listed:
+            lines.append('| ' + ' | '.join(_md_cell(c) for c in (
+                r.scope, f'`{r.config}`', *(getattr(r, c) for c in cols))) + ' |')
+    return '\n'.join(lines) + '\n'
+
+
+__all__ = ['ALL_COLUMNS', 'ALL_STATUSES', 'ConfigRow', 'append_all_row', 'build_config',
+           'cached_metafiles',
+           'family_configs', 'read_all_rows', 'read_backbone_config', 'render_markdown_all',
+           'status_counts', 'sweep_config']
