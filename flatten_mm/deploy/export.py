@@ -12,7 +12,9 @@ at a second size) and the file is then declared fixed-size.
 
 Size range (``metadata_props``): ``min_hw`` / ``max_hw`` / ``export_hw`` / ``dynamic`` /
 ``static_reason``. With ``dynamic`` the range is the one torch.export was asked to keep
-symbolic (``[max(min_input_size, 32), max_hw]``); a model whose structure depends on the
+symbolic (``[max(min_input_size, 32), max_hw]``, or from a larger lower end, doubled up
+to the export size, when torch.export's shape guards only hold from there: the tool says
+so); a model whose structure depends on the
 size (``SIZE_DEPENDENT``), a failed dynamic export or an input the exporter specialised
 gives a fixed-size file valid for ``export_hw`` only, with the reason. ``OnnxModel``
 refuses sizes outside the range.
@@ -25,7 +27,7 @@ import os
 import os.path as osp
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -81,6 +83,22 @@ def size_dependent_reason(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _lower_bounds(lo: Tuple[int, int], export_hw: Tuple[int, int]) -> List[Tuple[int, int]]:
+    """Lower ends to try for the dynamic range: ``lo``, then doubled, up to the export size."""
+    out = [tuple(lo)]
+    while out[-1] != tuple(export_hw):
+        h, w = out[-1]
+        out.append((min(h * 2, export_hw[0]), min(w * 2, export_hw[1])))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    first = next((ln for ln in lines if 'violated' in ln or 'Error' in ln),
+                 lines[0] if lines else type(e).__name__)
+    return first[:300]
+
+
 def _torch_export(module, x, path, opset, dynamic_shapes, output_names):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
@@ -133,15 +151,29 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with torch.no_grad(), cpu_kernels.use_cpu_kernels(False), export_rewrites():
         if dynamic and not static_reason:
-            shapes = ({2: torch.export.Dim('height', min=d_lo[0], max=d_hi[0]),
-                       3: torch.export.Dim('width', min=d_lo[1], max=d_hi[1])}, )
-            try:
-                _torch_export(module, x, path, opset, shapes, target.output_names)
-            except Exception as e:  # a shape branch torch.export cannot keep general
-                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-                first = next((ln for ln in lines if 'violated' in ln or 'Error' in ln),
-                             lines[0] if lines else type(e).__name__)
-                static_reason = f'torch.export could not keep H, W symbolic ({first[:300]})'
+            # torch.export turns shape guards into constraints on H, W; some only hold
+            # from a larger size on (e.g. a conv backend choice guarded on "the last
+            # stage has more than one token"): the range then starts higher, never below
+            # what was asked and never above the export size
+            first_error = None
+            for lower in _lower_bounds(d_lo, (H, W)):
+                shapes = ({2: torch.export.Dim('height', min=lower[0], max=d_hi[0]),
+                           3: torch.export.Dim('width', min=lower[1], max=d_hi[1])}, )
+                try:
+                    _torch_export(module, x, path, opset, shapes, target.output_names)
+                except Exception as e:  # a shape branch torch.export cannot keep general
+                    first_error = first_error or e
+                    continue
+                if lower != d_lo:
+                    messages.append(
+                        f'dynamic range starts at {lower[0]}x{lower[1]}: torch.export could '
+                        f'not keep sizes from {d_lo[0]}x{d_lo[1]} symbolic '
+                        f'({_first_line(first_error)})')
+                d_lo = lower
+                break
+            else:
+                static_reason = (f'torch.export could not keep H, W symbolic '
+                                 f'({_first_line(first_error)})')
                 messages.append(f'--dynamic not possible: {static_reason}; exporting a file '
                                 f'valid for {H}x{W} only')
         if not dynamic or static_reason:
@@ -194,9 +226,33 @@ def _probe(target: ExportTarget, path: str, hw: Sequence[int]) -> float:
         ref = target.module(x)
     try:
         out = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-        return max(max_relative_differences(ref, out))
+        check = compare_outputs(target, ref, out)
     except Exception:  # e.g. a reshape to the export size: not valid at this size
         return float('inf')
+    return float('inf') if check.unmatched_fraction > MAX_UNMATCHED else max(check.diffs)
+
+
+#: largest share of instances (proposals) that may have no counterpart in a check
+#: (see ``compare_outputs``)
+MAX_UNMATCHED = 0.01
+
+
+class Check(NamedTuple):
+    """One ONNX Runtime vs PyTorch comparison at input size ``hw``.
+
+    ``diffs``: per output, ``max |onnx - torch| / max |torch|`` (over matched instances
+    where the target has an ``instance_key``); ``unmatched``: instances of PyTorch /
+    ONNX Runtime without a counterpart in the other (``(0, 0)`` without instances) and
+    ``instances``: their counts."""
+
+    hw: Tuple[int, int]
+    diffs: List[float]
+    unmatched: Tuple[int, int] = (0, 0)
+    instances: Tuple[int, int] = (0, 0)
+
+    @property
+    def unmatched_fraction(self) -> float:
+        return max(self.unmatched) / max(max(self.instances), 1)
 
 
 def max_relative_differences(reference: Sequence[torch.Tensor],
@@ -210,15 +266,78 @@ def max_relative_differences(reference: Sequence[torch.Tensor],
         o = np.asarray(o, dtype=np.float64)
         if r.shape != o.shape:
             raise ValueError(f'output {i}: shape {o.shape}, PyTorch gives {r.shape}')
+        if r.size == 0:  # e.g. no proposal survived: equal shapes are all there is
+            diffs.append(0.0)
+            continue
         diffs.append(float(np.abs(o - r).max() / max(np.abs(r).max(), 1e-12)))
     return diffs
 
 
-def compare_with_pytorch(
-        target: ExportTarget, path: str,
-        sizes: Sequence[Sequence[int]]) -> List[Tuple[Tuple[int, int], List[float]]]:
-    """Run the file in ONNX Runtime (CPU) on the demo image at each size and return the
-    per-output ``max_relative_differences`` to PyTorch eager."""
+def match_instances(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray],
+                    rtol: float = 1e-4) -> List[Tuple[int, int]]:
+    """Pairs ``(i, j)``: row ``i`` of the ``reference`` arrays and row ``j`` of the
+    ``outputs`` arrays hold the same instance: every value of every array within ``rtol``
+    of that array's largest value. One-to-one, closest pairs first (identical rows, e.g.
+    a box clipped to the image from two RPN levels, pair up in any order)."""
+    a = [np.asarray(r, dtype=np.float64).reshape(len(r), -1) for r in reference]
+    b = [np.asarray(o, dtype=np.float64).reshape(len(o), -1) for o in outputs]
+    n_a, n_b = len(a[0]), len(b[0])
+    if not n_a or not n_b:
+        return []
+    dist = np.zeros((n_a, n_b))
+    for x, y in zip(a, b):
+        scale = max(np.abs(x).max(), np.abs(y).max(), 1e-12)
+        dist = np.maximum(dist, np.abs(x[:, None, :] - y[None, :, :]).max(-1) / scale)
+    pairs, used_a, used_b = [], set(), set()
+    for flat in np.argsort(dist, axis=None, kind='stable'):
+        i, j = divmod(int(flat), n_b)
+        if dist[i, j] > rtol:
+            break
+        if i not in used_a and j not in used_b:
+            pairs.append((i, j))
+            used_a.add(i)
+            used_b.add(j)
+    return sorted(pairs)
+
+
+def compare_outputs(target: ExportTarget, reference: Sequence[torch.Tensor],
+                    outputs: Sequence[np.ndarray], hw: Sequence[int] = (0, 0)) -> Check:
+    """ONNX Runtime ``outputs`` vs PyTorch ``reference`` of ``target``.
+
+    Without ``target.instance_key`` every output is compared element-wise
+    (``max_relative_differences``). With it (two-stage detectors: ``rois`` and
+    ``rpn_scores``), the number and order of instances come from top-k and NMS decisions,
+    which a 1e-6 difference in a score or an IoU can flip for near-ties: instances are
+    matched by those outputs' rows (``match_instances``), every per-instance output
+    (first dimension = the instance count, or a prefix of it such as the first 100 for
+    masks) is compared on matched rows, and the unmatched instances are counted."""
+    hw = (int(hw[0]), int(hw[1]))
+    if target.instance_key is None:
+        return Check(hw, max_relative_differences(reference, outputs))
+    if len(reference) != len(outputs):
+        raise ValueError(f'{len(outputs)} outputs, expected {len(reference)}')
+    ref = [r.detach().cpu().double().numpy() for r in reference]
+    out = [np.asarray(o, dtype=np.float64) for o in outputs]
+    keys = [list(target.output_names).index(name) for name in target.instance_key]
+    n_ref, n_out = len(ref[keys[0]]), len(out[keys[0]])
+    pairs = match_instances([ref[i] for i in keys], [out[i] for i in keys])
+    diffs = []
+    for i, (r, o) in enumerate(zip(ref, out)):
+        if r.shape[1:] != o.shape[1:] or r.ndim == 0:
+            raise ValueError(f'output {i}: shape {o.shape}, PyTorch gives {r.shape}')
+        rows = [(a, b) for a, b in pairs if a < len(r) and b < len(o)]
+        if not rows:
+            diffs.append(0.0)
+            continue
+        ia, ib = (np.array(v) for v in zip(*rows))
+        diffs.append(float(np.abs(o[ib] - r[ia]).max() / max(np.abs(r).max(), 1e-12)))
+    return Check(hw, diffs, (n_ref - len(pairs), n_out - len(pairs)), (n_ref, n_out))
+
+
+def compare_with_pytorch(target: ExportTarget, path: str,
+                         sizes: Sequence[Sequence[int]]) -> List[Check]:
+    """Run the file in ONNX Runtime (CPU) on the demo image at each size and compare
+    with PyTorch eager (``compare_outputs``)."""
     from .runtime import OnnxModel
     session = OnnxModel(path)
     results = []
@@ -226,5 +345,5 @@ def compare_with_pytorch(
         x = target.example_input(hw)
         with torch.no_grad():
             ref = target.module(x)
-        results.append(((int(hw[0]), int(hw[1])), max_relative_differences(ref, session(x))))
+        results.append(compare_outputs(target, ref, session(x), hw))
     return results

@@ -10,11 +10,37 @@ configs use). Each rewrite computes the same values in a form torch.export keeps
 * ``QuadTreeAttention`` inference: every level as one chunk
   (``quadtree_attention.levels_in_one_chunk``): the chunk loop is Python, so the traced
   graph would hold every chunk unrolled (5x slower export at 256x256, impractical at 512x512).
+* ``torch.nn.AdaptiveAvgPool2d`` (UperNet's PPM, pooling to 1/2/3/6 bins): the exporter
+  decomposes it into gathers at indices computed for the export size (the file failed
+  at a second size: ``GatherND ... invalid index``). The rewrite averages each bin
+  ``[floor(i H / n), ceil((i + 1) H / n))`` as a slice, the bins PyTorch uses.
+* two-stage mmdet detectors (RPN proposals, RoI extractor, RoIAlign, mmdet's legacy ONNX
+  branches): ``two_stage.two_stage_rewrites``, see there.
 """
 import contextlib
 from typing import Iterator, List
 
+import torch
 import torch.nn as nn
+
+
+def _adaptive_avg_pool2d_forward(original):
+
+    def forward(self, x):
+        out = self.output_size
+        oh, ow = (out, out) if isinstance(out, int) else tuple(out)
+        if oh is None or ow is None:
+            return original(self, x)
+        H, W = x.shape[-2:]
+        rows = []
+        for i in range(oh):  # bin i covers [floor(i H / oh), ceil((i + 1) H / oh))
+            h0, h1 = (i * H) // oh, ((i + 1) * H + oh - 1) // oh
+            rows.append(torch.cat([
+                x[..., h0:h1, (j * W) // ow:((j + 1) * W + ow - 1) // ow].mean(
+                    (-2, -1), keepdim=True) for j in range(ow)], -1))
+        return torch.cat(rows, -2)
+
+    return forward
 
 
 def _mmseg_upsample_forward(original):
@@ -44,11 +70,18 @@ def export_rewrites() -> Iterator[List[str]]:
         Upsample.forward = _mmseg_upsample_forward(original)
         undo.append(lambda: setattr(Upsample, 'forward', original))
         applied.append('mmseg.models.utils.Upsample')
+    pool = nn.AdaptiveAvgPool2d
+    original_pool = pool.forward
+    pool.forward = _adaptive_avg_pool2d_forward(original_pool)
+    undo.append(lambda: setattr(pool, 'forward', original_pool))
+    applied.append('torch.nn.AdaptiveAvgPool2d (bins as slices)')
     from flatten_mm.models.layers.quadtree_attention import levels_in_one_chunk
+    from .two_stage import two_stage_rewrites
     stack = contextlib.ExitStack()
-    stack.enter_context(levels_in_one_chunk())
     undo.append(stack.close)
+    stack.enter_context(levels_in_one_chunk())
     applied.append('flatten_mm QuadTreeAttention (levels in one chunk)')
+    applied.extend(stack.enter_context(two_stage_rewrites()))
     try:
         yield applied
     finally:

@@ -6,11 +6,10 @@
   (``model(x, mode='tensor')``, ``(B, num_classes, H / 4, W / 4)`` for Semantic FPN);
 * mmdet detector, same input: single-stage (RetinaNet, ...) the raw head outputs of
   ``mode='tensor'`` (per level ``cls_score`` then per level ``bbox_pred``); two-stage
-  (Mask R-CNN, ...) backbone + neck + RPN head (per level RPN ``cls_score`` then
-  ``bbox_pred``). The proposal selection (NMS: data-dependent box count) and the RoI
-  heads (``mmcv.ops.RoIAlign``, a C++ extension function that ``torch.export`` cannot
-  trace) are not in the graph; mmdeploy replaces exactly these with its own rewrites and
-  custom ONNX Runtime ops.
+  (Mask R-CNN, Faster R-CNN: ``RPNHead`` + ``StandardRoIHead``) the whole ``mode='tensor'``
+  path: RPN proposals (NMS in the graph) and the RoI heads' ``cls_score``, ``bbox_pred``
+  and ``mask_preds`` for every proposal (see ``two_stage``); other two-stage heads
+  (cascade, HTC) export backbone + neck + RPN head, and the note says why.
 """
 import os.path as osp
 from dataclasses import dataclass, field
@@ -39,6 +38,10 @@ class ExportTarget:
         output_names: one name per output tensor.
         min_hw: smallest input the model accepts (``min_input_size()`` of the backbone).
         notes: what of the model is not in the graph, and why.
+        instance_key: the outputs whose rows identify instances with a data-dependent
+            count and order (two-stage detectors: ``rois``, ``rpn_scores``); checks match
+            rows by them (``export.compare_outputs``). ``None``: outputs are compared as
+            they are.
     """
 
     module: nn.Module
@@ -48,6 +51,7 @@ class ExportTarget:
     output_names: List[str]
     min_hw: Tuple[int, int] = (1, 1)
     notes: List[str] = field(default_factory=list)
+    instance_key: Optional[Tuple[str, ...]] = None
 
     def example_input(self, hw: Sequence[int]) -> torch.Tensor:
         """The bundled demo image resized to ``hw`` in this target's input format."""
@@ -134,6 +138,44 @@ def _preprocessor_norm(model: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, bo
     return mean, std, not swap
 
 
+def _per_level_names(inner: nn.Module, head: str, min_hw) -> List[str]:
+    """``{head}_cls_score_l{i}`` then ``{head}_bbox_pred_l{i}``, counted on a probe run."""
+    with torch.no_grad():
+        probe = inner(torch.zeros(1, 3, max(64, min_hw[0]), max(64, min_hw[1])))
+    n = len(probe) // 2
+    if len(probe) != 2 * n:
+        return [f'out{i}' for i in range(len(probe))]
+    return ([f'{head}_cls_score_l{i}' for i in range(n)] +
+            [f'{head}_bbox_pred_l{i}' for i in range(n)])
+
+
+def _two_stage(model: nn.Module, min_hw) -> Tuple[nn.Module, List[str], str]:
+    """The exported part of a two-stage detector, its output names and the note."""
+    from .two_stage import two_stage_tensor_forward, two_stage_unsupported
+    reason = two_stage_unsupported(model)
+    if reason is None:
+        names = ['rois', 'rpn_scores']
+        if model.roi_head.with_bbox:
+            names += ['roi_cls_score', 'roi_bbox_pred']
+        if model.roi_head.with_mask:
+            names.append('roi_mask_preds')
+        cfg = model.rpn_head.test_cfg
+        note = ('two-stage detector, whole mode=\'tensor\': backbone, neck, RPN proposals '
+                f'(per level top {cfg.get("nms_pre", -1)}, NMS IoU '
+                f'{dict(cfg.nms).get("iou_threshold")}, at most {cfg.max_per_img}; '
+                'torchvision NMS / RoIAlign in the graph: ONNX NonMaxSuppression / RoiAlign) '
+                'as rois (R, 5: image index, x1, y1, x2, y2) and rpn_scores, and the RoI '
+                'heads\' raw outputs for every proposal (first dimension R, data-dependent; '
+                'masks for the first 100). Box decoding against the rois, the final NMS and '
+                'mask pasting are not in the graph')
+        return _Flatten(model, two_stage_tensor_forward), names, note
+    inner = _Flatten(model, lambda m, x: m.rpn_head(m.extract_feat(x)))
+    note = ('two-stage detector: backbone + neck + RPN head are exported (per level RPN '
+            f'cls_score, bbox_pred); the proposal NMS and RoI heads are not, because of the '
+            f'{reason}')
+    return inner, _per_level_names(inner, 'rpn', min_hw), note
+
+
 def config_target(config, checkpoint: Optional[str] = None,
                   cfg_options: Optional[dict] = None) -> ExportTarget:
     """An mmseg segmentor or mmdet detector built from ``config`` (path or Config),
@@ -156,6 +198,7 @@ def config_target(config, checkpoint: Optional[str] = None,
     fmt = ('float32 (1, 3, H, W), RGB 0-255 (the config\'s data_preprocessor mean/std '
            'are in the graph; no resize or padding)')
     notes: List[str] = []
+    instance_key = None
     if scope == 'mmseg':
         inner = _Flatten(model, lambda m, x: m(x, mode='tensor'))
         names = ['seg_logits']
@@ -165,30 +208,17 @@ def config_target(config, checkpoint: Optional[str] = None,
     elif scope == 'mmdet':
         kind = 'detector'
         if getattr(model, 'with_rpn', False) or hasattr(model, 'rpn_head'):
-            def fn(m, x):
-                return m.rpn_head(m.extract_feat(x))
-            head = 'rpn'
-            notes.append(
-                'two-stage detector: backbone + neck + RPN head are exported (per level RPN '
-                'cls_score, bbox_pred). Not exported: the proposal selection (NMS over a '
-                'data-dependent number of boxes) and the RoI bbox / mask heads, which run '
-                'mmcv.ops.RoIAlign (a C++ extension function outside torch.export); mmdeploy '
-                'replaces these with its own rewrites and custom ONNX Runtime ops')
+            inner, names, note = _two_stage(model, min_hw)
+            notes.append(note)
+            instance_key = ('rois', 'rpn_scores') if names[0] == 'rois' else None
         else:
             def fn(m, x):
                 return m(x, mode='tensor')
-            head = 'head'
             notes.append('single-stage detector: raw head outputs of mode=\'tensor\' (per level '
                          'cls_score, bbox_pred); anchor decoding and NMS are not in the graph')
-        inner = _Flatten(model, fn)
-        with torch.no_grad():
-            probe = inner(torch.zeros(1, 3, max(64, min_hw[0]), max(64, min_hw[1])))
-        n = len(probe) // 2
-        names = ([f'{head}_cls_score_l{i}' for i in range(n)] +
-                 [f'{head}_bbox_pred_l{i}' for i in range(n)])
-        if len(probe) != 2 * n:
-            names = [f'out{i}' for i in range(len(probe))]
+            inner = _Flatten(model, fn)
+            names = _per_level_names(inner, 'head', min_hw)
     else:
         raise ValueError(f'{name}: default_scope must be mmdet or mmseg, got {scope!r}')
     module = _Normalized(inner, mean, std, to_bgr).eval()
-    return ExportTarget(module, kind, name, fmt, names, min_hw, notes)
+    return ExportTarget(module, kind, name, fmt, names, min_hw, notes, instance_key)

@@ -32,9 +32,9 @@ FIXED_SIZE = {
     'QuadTreePVTv2': 'QuadTree',  # levels / top-k candidates follow from H, W
     'FLattenSwin': 'shifted windows',  # window padding / shift mask per concrete size
     'FLattenCSWin': 'cross-shaped stripes',  # stripe padding per concrete size
-    # torch.export refuses the symbolic size (min/max derivation fails in its solver)
-    'FLattenPVT': 'torch.export could not keep H, W symbolic',
 }
+#: dynamic backbones whose range starts above 32x32, and why (none at present)
+MIN_HW = {}
 TOL = 1e-4  # issue #17: within 1e-4 relative of PyTorch
 EXPORT_HW = (64, 64)
 SECOND_HW = (96, 72)
@@ -55,13 +55,17 @@ def test_backbone_exports_and_matches_pytorch(name, tmp_path, monkeypatch):
         result = export_onnx(target, str(tmp_path / f'{name}.onnx'), EXPORT_HW, dynamic=True)
     assert result.dynamic == (name not in FIXED_SIZE), (result.meta, result.messages)
     sizes = [EXPORT_HW] + ([SECOND_HW] if result.dynamic else [])
-    for hw, diffs in compare_with_pytorch(target, result.path, sizes):
-        assert len(diffs) == len(target.output_names)
-        assert max(diffs) <= TOL, (hw, diffs)
+    for check in compare_with_pytorch(target, result.path, sizes):
+        assert len(check.diffs) == len(target.output_names)
+        assert max(check.diffs) <= TOL, check
+        assert check.unmatched == (0, 0)  # backbones: no instances
     session = OnnxModel(result.path)
     if result.dynamic:
-        assert result.min_hw == (32, 32) and result.max_hw == (4096, 4096)
-        with pytest.raises(ValueError, match=r'valid for inputs from 32x32 to 4096x4096'):
+        lo = MIN_HW.get(name, (32, 32))
+        assert result.min_hw == lo and result.max_hw == (4096, 4096)
+        assert (lo != (32, 32)) == any('dynamic range starts at' in m for m in result.messages)
+        with pytest.raises(ValueError,
+                           match=rf'valid for inputs from {lo[0]}x{lo[1]} to 4096x4096'):
             session(np.zeros((1, 3, 16, 40), np.float32))
     else:
         assert FIXED_SIZE[name] in result.meta['static_reason']
@@ -92,3 +96,51 @@ def test_export_rewrites_run_quadtree_levels_in_one_chunk():
         assert qa._ONE_CHUNK is True
         assert any('QuadTree' in a for a in applied)
     assert qa._ONE_CHUNK is False
+
+
+def test_export_leaves_no_traced_mask_in_the_window_cache(tmp_path):
+    """Shifted-window masks are cached per size; a size first seen by the exporter must
+    not leave the trace's fake tensor there (later eager calls and exports got it)."""
+    from flatten_mm.models.layers import window
+    window.clear_mask_cache()
+    target = backbone_target('FLattenSwin', build('FLattenSwin').eval())
+    hw = (96, 128)  # shifted windows in stages 1-3
+    export_onnx(target, str(tmp_path / 'swin.onnx'), hw)
+    assert window.mask_cache_info().currsize == 0
+    check, = compare_with_pytorch(target, str(tmp_path / 'swin.onnx'), [hw])
+    assert max(check.diffs) <= TOL
+    assert window.mask_cache_info().currsize > 0  # eager calls still cache
+
+
+def test_pvt_exports_dynamic_at_its_position_table_size(tmp_path):
+    """At the size its position tables were made for PVT v1 skips the table resize in
+    eager mode; under export it always resizes (exact at the same size), else the graph
+    is pinned to that size. The export verifies a second size itself."""
+    model = build('FLattenPVT', pretrain_img_size=EXPORT_HW).eval()
+    assert tuple(model.stages[0].pos_embed_hw) == (16, 16)  # = the 64x64 export's grid
+    result = export_onnx(backbone_target('FLattenPVT', model), str(tmp_path / 'pvt.onnx'),
+                         EXPORT_HW, dynamic=True)
+    assert result.dynamic, result.messages
+    assert result.min_hw == (32, 32)
+
+
+def test_dynamic_range_starts_where_torch_export_succeeds(tmp_path, monkeypatch):
+    """A dynamic export that torch.export refuses from the lowest size is retried with
+    the lower end doubled (up to the export size), and the range written says so."""
+    from flatten_mm.deploy import export as export_mod
+    real, tried = export_mod._torch_export, []
+
+    def refuse_below_64(module, x, path, opset, shapes, names):
+        if shapes is not None:
+            tried.append(shapes[0][2].min)
+            if shapes[0][2].min < 64:
+                raise RuntimeError('Constraints violated (height)!')
+        return real(module, x, path, opset, shapes, names)
+
+    monkeypatch.setattr(export_mod, '_torch_export', refuse_below_64)
+    target = backbone_target('FLattenPVTv2', build('FLattenPVTv2'))
+    result = export_onnx(target, str(tmp_path / 'b.onnx'), (128, 96), dynamic=True)
+    assert tried == [32, 64]
+    assert result.dynamic and result.min_hw == (64, 64)
+    assert any(m.startswith('dynamic range starts at 64x64') and 'Constraints violated' in m
+               for m in result.messages), result.messages

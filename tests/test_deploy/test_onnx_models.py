@@ -1,10 +1,11 @@
 """Whole models through ``tools/deployment/export_onnx.py`` (issue #17): the Semantic FPN
 and RetinaNet configs of FLatten-PVTv2-b0 (real neck and heads, the backbone shrunk to a
 tiny arch for speed) export with a dynamic size and match PyTorch in ONNX Runtime at two
-sizes; Mask R-CNN exports its backbone + neck + RPN part and says what is left out."""
+sizes; Mask R-CNN exports whole (RPN proposals with NMS, RoI bbox and mask heads)."""
 import os.path as osp
 import sys
 
+import onnx
 import pytest
 
 try:  # a hard requirement: the environment the README builds installs the deploy extra
@@ -27,7 +28,7 @@ CASES = {
     'retinanet': ('configs/mmdet/flatten_pvt_v2/retinanet_flatten-pvt-v2-b0_fpn_1x_coco.py',
                   [f'head_{k}_l{i}' for k in ('cls_score', 'bbox_pred') for i in range(5)]),
     'mask_rcnn': ('configs/mmdet/flatten_pvt_v2/mask-rcnn_flatten-pvt-v2-b0_fpn_1x_coco.py',
-                  [f'rpn_{k}_l{i}' for k in ('cls_score', 'bbox_pred') for i in range(5)]),
+                  ['rois', 'rpn_scores', 'roi_cls_score', 'roi_bbox_pred', 'roi_mask_preds']),
 }
 
 
@@ -56,6 +57,9 @@ def test_config_exports_through_tool(case, tmp_path, capsys):
     session = OnnxModel(out)
     assert session.output_names == outputs
     if case == 'mask_rcnn':
-        assert 'RoIAlign' in meta['notes'] and 'note: two-stage detector' in text
+        assert 'note: two-stage detector, whole mode=' in text and 'NonMaxSuppression' in text
+        assert text.count('without a counterpart: 0 / 0') == 2, text  # both sizes, all rois
+        ops = {n.op_type for n in onnx.load(out).graph.node}
+        assert {'NonMaxSuppression', 'RoiAlign'} <= ops
     with pytest.raises(ValueError, match='valid for inputs from 32x32'):
         session.check((1, 3, 16, 96))

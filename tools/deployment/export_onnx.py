@@ -52,7 +52,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from flatten_mm.deploy import backbone_target, config_target, export_onnx
-    from flatten_mm.deploy.export import compare_with_pytorch
+    from flatten_mm.deploy.export import MAX_UNMATCHED, compare_with_pytorch
     hw = tuple(args.shape or (512, 512))
     hw = hw * 2 if len(hw) == 1 else hw
     target = (backbone_target(args.backbone) if args.backbone else
@@ -77,12 +77,23 @@ def main(argv=None) -> int:
     if result.dynamic:
         second = tuple(args.check_shape or (max(lo[0], hw[0] * 3 // 4), hw[1] + 32))
         sizes.append(second)
-    worst = 0.0
-    for size, diffs in compare_with_pytorch(target, args.output, sizes):
-        print(f'check {size[0]}x{size[1]} (ONNX Runtime CPU vs PyTorch, max relative difference):')
-        for name, d in zip(target.output_names, diffs):
+    worst, unmatched = 0.0, 0.0
+    for check in compare_with_pytorch(target, args.output, sizes):
+        print(f'check {check.hw[0]}x{check.hw[1]} (ONNX Runtime CPU vs PyTorch, max relative '
+              'difference):')
+        if target.instance_key:
+            print(f'  instances ({", ".join(target.instance_key)}): {check.instances[0]} '
+                  'in PyTorch, '
+                  f'{check.instances[1]} in ONNX Runtime; without a counterpart: '
+                  f'{check.unmatched[0]} / {check.unmatched[1]} (near-ties in top-k / NMS); '
+                  'differences over matched rows')
+        for name, d in zip(target.output_names, check.diffs):
             print(f'  {name}: {d:.3e}')
-        worst = max([worst] + diffs)
+        worst = max([worst] + check.diffs)
+        unmatched = max(unmatched, check.unmatched_fraction)
+    if unmatched > MAX_UNMATCHED:
+        print(f'FAILED: {unmatched:.1%} of the instances differ (> {MAX_UNMATCHED:.0%})')
+        return 1
     ok = worst <= args.tol
     print(f'{"OK" if ok else "FAILED"}: worst {worst:.3e} {"<=" if ok else ">"} {args.tol:g}')
     return 0 if ok else 1

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import map_as_tokens
+from .pos_embed import _exporting
 
 
 class PVTPatchEmbed(nn.Module):
@@ -46,9 +47,16 @@ class PVTPatchEmbed(nn.Module):
         """Args: x ``(B, C_in, H, W)``. Returns tokens ``(B, N, C)`` and their ``(H', W')``."""
         if not self.overlap:
             H, W = x.shape[-2:]
-            pad_h, pad_w = (-H) % self.stride, (-W) % self.stride
-            if pad_h or pad_w:
-                x = F.pad(x, (0, pad_w, 0, pad_h))
+            if _exporting():
+                # ``if pad`` would pin H, W to multiples (or not) of the stride: always
+                # pad (a zero pad is a copy), to the ceil-divided size (floor divisions
+                # keep torch.export's symbolic sizes simple; a modulo nests per stage)
+                s = self.stride
+                x = F.pad(x, (0, (W + s - 1) // s * s - W, 0, (H + s - 1) // s * s - H))
+            else:
+                pad_h, pad_w = (-H) % self.stride, (-W) % self.stride
+                if pad_h or pad_w:
+                    x = F.pad(x, (0, pad_w, 0, pad_h))
         x = self.proj(x)
         hw = (x.shape[2], x.shape[3])
         # a view for channels-last maps (stages 2-4 get the previous tokens as one)

@@ -45,13 +45,26 @@ def resize_pos_table(table: torch.Tensor, src_hw: Tuple[int, int],
     Returns:
         The table itself when the grids agree, otherwise the resized table.
     """
-    if tuple(src_hw) == tuple(dst_hw):
+    # while torch.export traces, the grids are symbolic: comparing them would pin the
+    # graph to the export size; resizing to the same grid is exact (bilinear / bicubic
+    # at scale 1 sample the source points with weight 1), so always resize then
+    if not _exporting() and tuple(src_hw) == tuple(dst_hw):
         return table
     C = table.shape[-1]
     grid = table.reshape(1, src_hw[0], src_hw[1], C).permute(0, 3, 1, 2)
     grid = F.interpolate(grid.float(), size=tuple(dst_hw), mode=mode,
                          align_corners=False).to(table.dtype)
     return grid.flatten(2).transpose(1, 2)
+
+
+def _exporting() -> bool:
+    """Whether a graph is being captured for export (torch.export, the ONNX exporters,
+    ``torch.jit.trace``): sizes are then symbolic or recorded, so shape branches and
+    per-shape caches must be avoided."""
+    compiler = getattr(torch, 'compiler', None)
+    is_exporting = getattr(compiler, 'is_exporting', None)
+    return bool(torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+                or (is_exporting is not None and is_exporting()))
 
 
 def _is_compiling() -> bool:

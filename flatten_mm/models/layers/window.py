@@ -20,6 +20,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .pos_embed import _exporting
+
 #: additive mask value between tokens of different shifted-window regions (Swin's choice;
 #: finite, so a row can never be all ``-inf``)
 MASK_VALUE = -100.0
@@ -128,8 +130,8 @@ def shifted_window_mask(padded_hw: Tuple[int, int], window: Tuple[int, int],
 
     After rolling the padded map by ``-shift``, the windows at the bottom/right edges
     contain tokens from opposite borders of the map; those pairs get ``MASK_VALUE``.
-    The result is cached per ``(padded size, window, shift, device)``; do not modify it
-    in place.
+    The result is cached per ``(padded size, window, shift, device)`` (except while
+    ``torch.export`` or the ONNX exporter traces); do not modify it in place.
 
     Args:
         padded_hw: ``(Hp, Wp)``, multiples of the window.
@@ -145,8 +147,12 @@ def shifted_window_mask(padded_hw: Tuple[int, int], window: Tuple[int, int],
     if sy == 0 and sx == 0:
         return None
     device = torch.device('cpu') if device is None else torch.device(device)
-    return _shifted_window_mask(int(padded_hw[0]), int(padded_hw[1]), int(window[0]),
-                                int(window[1]), int(sy), int(sx), device)
+    # not cached while torch.export / the ONNX exporter traces: the mask would be a fake
+    # tensor of the trace, and later eager calls (or exports) of the same size got it
+    make = _shifted_window_mask.__wrapped__ if _exporting() else _shifted_window_mask
+    return make(int(padded_hw[0]), int(padded_hw[1]), int(window[0]), int(window[1]),
+                int(sy), int(sx), device)
+
 
 
 def clear_mask_cache() -> None:
