@@ -35,10 +35,20 @@ Implementation notes:
   "refined" at a next level that does not exist; verified against the official outputs).
   A single-level B stage does not use it (the official code computes and discards it,
   failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
+* On CUDA the finer levels' gathered scores and messages (forward and backward) run as
+  Triton kernels (``quadtree_attention_triton``: no gathered key/value rows in memory,
+  the key/value gradients by atomic scatter-add), and variant B's final level as one
+  fused kernel (scores + softmax + messages, no ``(N, 4K)`` tensors), when Triton
+  imports; inference then takes the batched path with those kernels instead of the
+  chunked gathers. ``use_triton=False`` (operator argument, or
+  ``attn_cfg=dict(use_triton=False)`` in a backbone) or ``FLATTEN_MM_TRITON=0``
+  (environment) selects the PyTorch path, which stays the reference and the CPU /
+  float64 / export path.
 """
 import contextlib
 import functools
 import math
+import warnings
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -47,6 +57,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 from .conv import tokens_as_map
+from .focused_linear_attention import _check_use_triton, triton_env_enabled
 
 #: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
 MarginRecorder = Callable[[int, float], None]
@@ -119,6 +130,72 @@ class _GatheredMatmul(torch.autograd.Function):
         return grad_a, grad_src, None, None, None
 
 
+_qt_triton_failed: Optional[str] = None  # why importing the kernels failed (auto mode)
+
+
+@torch.compiler.assume_constant_result  # (a constant under torch.compile: no graph break)
+def _qt_triton_imports() -> bool:
+    """Whether the QuadTree kernel module imports (tried once; a failure is warned about)."""
+    global _qt_triton_failed
+    if _qt_triton_failed is not None:
+        return False
+    try:
+        from . import quadtree_attention_triton  # noqa: F401
+        return True
+    except Exception as e:  # ImportError, or a Triton that fails to initialise
+        _qt_triton_failed = f'{type(e).__name__}: {e}'
+        warnings.warn(f'flatten_mm: QuadTree Triton kernels unavailable, using the PyTorch '
+                      f'path ({_qt_triton_failed})', RuntimeWarning, stacklevel=4)
+        return False
+
+
+def _qt_triton_gate(use_triton: Optional[bool], x: torch.Tensor) -> bool:
+    """Whether the Triton kernels are wanted for tensors on ``x``'s device (shapes are
+    checked by ``_use_qt_triton``). ``FLATTEN_MM_TRITON=0`` or ``use_triton=False``: never;
+    ``None`` (auto): on CUDA when Triton imports, outside ONNX export / tracing; ``True``:
+    always (``RuntimeError`` if the kernels do not import; CPU tensors need
+    ``TRITON_INTERPRET=1``, the tests' way to run them without a GPU)."""
+    if use_triton is False or use_triton is None and not x.is_cuda:
+        return False  # (first: nothing else is looked at on the CPU path)
+    if not triton_env_enabled():
+        return False
+    if use_triton is None:
+        return not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+                    or not _qt_triton_imports())
+    if use_triton is not True:
+        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
+    if not _qt_triton_imports():
+        raise RuntimeError(f'use_triton=True but the QuadTree Triton kernels do not import: '
+                           f'{_qt_triton_failed}')
+    return True
+
+
+def _use_qt_triton(use_triton: Optional[bool], a: torch.Tensor, src: torch.Tensor,
+                   index: torch.Tensor, scores: bool) -> bool:
+    """Whether ``gathered_scores`` / ``gathered_messages`` run the Triton kernel: the gate,
+    then the kernel's input check (``use_triton=True``: ``ValueError`` saying why not)."""
+    if not _qt_triton_gate(use_triton, a):
+        return False
+    from . import quadtree_attention_triton as qt_triton
+    why = qt_triton.check_inputs(a, src, index, scores)
+    if why is not None and use_triton:
+        raise ValueError(f'use_triton=True but the QuadTree Triton kernels cannot take these '
+                         f'inputs: {why}')
+    return why is None
+
+
+def _level_uses_triton(use_triton: Optional[bool], k: torch.Tensor,
+                       num_candidates: int) -> bool:
+    """Whether a finer level (keys ``k`` ``(B, h, M, d)``, ``num_candidates`` per parent)
+    will run the Triton kernels: then inference takes the batched path with them."""
+    if not _qt_triton_gate(use_triton, k):
+        return False
+    if use_triton:
+        return True  # (gathered_scores raises if the kernels cannot take the level)
+    from . import quadtree_attention_triton as qt_triton
+    return qt_triton.tile_fits(num_candidates, k.shape[-1])
+
+
 def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: int) -> int:
     B, h, L = a.shape[:3]
     per_parent = B * h * index.shape[-1] * max(d, a.shape[3])
@@ -126,7 +203,8 @@ def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: in
 
 
 def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
-                    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+                    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                    use_triton: Optional[bool] = None) -> torch.Tensor:
     """Score kernel: ``out[b,j,l,f,k] = <query[b,j,l,f], key[b,j,index[b,j,l,k]]>``.
 
     The official ``score_computation`` with heads moved to dim 1 and the candidate list
@@ -136,11 +214,16 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
         query: ``(B, h, L, F, d)`` child queries grouped by parent.
         key: ``(B, h, M, d)`` keys of the level.
         index: ``(B, h, L, K)`` candidate key rows of each parent (long).
-        chunk_elements: bound on the gathered elements held at once.
+        chunk_elements: bound on the gathered elements held at once (PyTorch path).
+        use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` (force) or
+            ``False`` (the PyTorch path), see ``_qt_triton_gate``.
 
     Returns:
         ``(B, h, L, F, K)``.
     """
+    if _use_qt_triton(use_triton, query, key, index, scores=True):
+        from .quadtree_attention_triton import gathered_scores_triton
+        return gathered_scores_triton(query, key, index)
     chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
     if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
         return _gathered_scores_inference(query, key, index, chunk)
@@ -184,7 +267,8 @@ def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: to
 
 
 def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
-                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                      use_triton: Optional[bool] = None) -> torch.Tensor:
     """Aggregation kernel: ``out[b,j,l,f] = sum_k weight[b,j,l,f,k] value[b,j,index[b,j,l,k]]``.
 
     The official ``value_aggregation`` for a candidate list shared by the ``F`` child
@@ -194,11 +278,15 @@ def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Te
         weight: ``(B, h, L, F, K)`` attention weights.
         value: ``(B, h, M, d)`` values of the level.
         index: ``(B, h, L, K)`` candidate rows (long).
-        chunk_elements: bound on the gathered elements held at once.
+        chunk_elements: bound on the gathered elements held at once (PyTorch path).
+        use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` or ``False``.
 
     Returns:
         ``(B, h, L, F, d)``.
     """
+    if _use_qt_triton(use_triton, weight, value, index, scores=False):
+        from .quadtree_attention_triton import gathered_messages_triton
+        return gathered_messages_triton(weight, value, index)
     if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
         return _weighted_rows_sum(weight, value, index)
     chunk = _chunk_size(weight, index, value.shape[-1], chunk_elements)
@@ -270,7 +358,7 @@ def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.
     """Report the smallest relative gap between the k-th and (k+1)-th largest weight."""
     if recorder is None or probs.shape[-1] <= k:
         return
-    top = probs.topk(k + 1, dim=-1).values
+    top = probs.detach().topk(k + 1, dim=-1).values
     margin = (top[..., k - 1] - top[..., k]) / top[..., k - 1].clamp_min(1e-30)
     recorder(level, float(margin.min()))
 
@@ -285,7 +373,8 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                             level_weights: Optional[torch.Tensor] = None,
                             lepes: Optional[Sequence[torch.Tensor]] = None,
                             margin_recorder: Optional[MarginRecorder] = None,
-                            chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+                            chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                            use_triton: Optional[bool] = None) -> torch.Tensor:
     """Multi-level QuadTree attention on given pyramids (float32 math).
 
     Level 0 is the coarsest; level ``i + 1`` has twice the height and width of level ``i``.
@@ -307,6 +396,9 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         margin_recorder: optional callback ``(level, margin)`` receiving, for every used
             top-k, the smallest ``(k-th - (k+1)-th) / k-th`` weight gap (parity checks).
         chunk_elements: bound on the gathered elements held at once.
+        use_triton: Triton kernels for the finer levels' gathered scores and messages
+            (and B's fused final level): ``None`` auto (on CUDA), ``True`` force,
+            ``False`` the PyTorch path (``FLATTEN_MM_TRITON=0`` turns them off everywhere).
 
     Returns:
         ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
@@ -315,6 +407,9 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
     run in chunks of parent rows and the levels are merged in place
     (``_finer_level_inference``): the same numbers with a peak memory of about the output
     plus the pyramids; with autograd the batched path below (custom-backward gathers).
+    Levels that run the Triton kernels take the batched path also without autograd (the
+    kernels gather in registers; the ``(N, 4K)`` scores are small next to the gathered rows
+    the chunked path would read).
     """
     if attn_type not in ('A', 'B'):
         raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
@@ -370,7 +465,8 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                              f'({grid[0]}x{grid[1]})')
         k = _to_heads(keys[i].float(), h)  # (B, h, hi*wi, d)
         v = _to_heads(values[i].float(), h)
-        if inference:  # chunks of parent rows end to end: no (N, 4K) tensor in memory
+        kernels = _level_uses_triton(use_triton, k, 4 * prev_idx.shape[-1])
+        if inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
             # B: the level's LePE map is the buffer the messages are summed into
             init = None
             if attn_type == 'B' and lepes is not None:
@@ -389,7 +485,18 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             continue
         q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
         cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
-        scores = gathered_scores(q, k, cand, chunk_elements)  # (B, h, L, 4, 4Kp)
+        # (False when the level check said no: the same decision as the branch above)
+        level_triton = use_triton if kernels else False
+        if final and attn_type == 'B' and kernels and _use_qt_triton(
+                level_triton, q, k, cand, scores=True) and _use_qt_triton(
+                    level_triton, q, v, cand, scores=True):
+            # scores + softmax + messages in one kernel: no (B, h, L, 4, 4Kp) tensors
+            from .quadtree_attention_triton import final_level_b_triton
+            msg = final_level_b_triton(q, k, v, cand)
+            messages.append(_children_to_raster(msg, (hi, wi)))
+            grid = (hi, wi)
+            continue
+        scores = gathered_scores(q, k, cand, chunk_elements, level_triton)  # (B, h, L, 4, 4Kp)
         if attn_type == 'B':
             attn = torch.softmax(scores, dim=-1)
         else:
@@ -406,7 +513,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             prev_score = _children_to_raster(score_i, (hi, wi))
             if attn_type == 'A':
                 weights = attn.scatter(-1, sel, 0.)
-        msg = gathered_messages(weights, v, cand, chunk_elements)  # (B, h, L, 4, d)
+        msg = gathered_messages(weights, v, cand, chunk_elements, level_triton)  # (.., 4, d)
         messages.append(_children_to_raster(msg, (hi, wi)))
         grid = (hi, wi)
 
@@ -642,6 +749,10 @@ class QuadTreeAttention(nn.Module):
             code) or ``'relu'`` (detection/segmentation code); same parameters.
         chunk_elements: bound on the gathered key/value elements held at once
             (memory/speed trade-off, no effect on results).
+        use_triton: Triton kernels for the finer levels' gathered scores and messages
+            (forward and backward): ``None`` auto (on CUDA, when Triton imports), ``True``
+            force (an error if they cannot run), ``False`` the PyTorch path.
+            ``FLATTEN_MM_TRITON=0`` turns them off everywhere.
     """
 
     def __init__(self,
@@ -654,8 +765,10 @@ class QuadTreeAttention(nn.Module):
                  num_levels: int = 1,
                  topk: Union[int, Sequence[int]] = 32,
                  value_act: str = 'relu',
-                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                 use_triton: Optional[bool] = None) -> None:
         super().__init__()
+        self.use_triton = _check_use_triton(use_triton)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
@@ -777,7 +890,8 @@ class QuadTreeAttention(nn.Module):
                 ]
             out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
                                           self.attn_type, level_weights, lepes,
-                                          self.margin_recorder, self.chunk_elements)
+                                          self.margin_recorder, self.chunk_elements,
+                                          self.use_triton)
         return out.transpose(1, 2).reshape(B, N, C)  # head-major channels
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:

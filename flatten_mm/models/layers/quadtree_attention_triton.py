@@ -1,0 +1,646 @@
+"""Triton kernels of QuadTree attention's finer levels: gathered scores and gathered
+messages, forward and backward, without materialising the gathered key / value rows.
+
+The same maths as ``quadtree_attention.gathered_scores`` / ``gathered_messages`` (the
+PyTorch path, ``_GatheredMatmul``, which stays the fallback and the reference), i.e. the
+official CUDA kernels ``score_computation`` / ``value_aggregation`` with the candidate list
+shared by the ``F`` (= 4) child queries of a parent::
+
+    scores[b, j, l, f, k] = <q[b, j, l, f, :], key[b, j, cand[b, j, l, k], :]>
+    out[b, j, l, f, :]    = sum_k w[b, j, l, f, k] * value[b, j, cand[b, j, l, k], :]
+
+with the backward passes
+
+    scores:   dq[l, f] = sum_k g[l, f, k] key[cand[l, k]]       (gather + weighted sum)
+              dkey[cand[l, k]] += sum_f g[l, f, k] q[l, f]       (fp32 atomic scatter-add)
+    messages: dw[l, f, k] = <g[l, f], value[cand[l, k]]>         (gather + dot)
+              dvalue[cand[l, k]] += sum_f w[l, f, k] g[l, f]     (fp32 atomic scatter-add)
+
+All four directions are one kernel, ``_qt_gathered_kernel``, over a "K-side" tensor ``P``
+``(B, h, L, F, K)`` (scores / weights / their gradient), a "D-side" tensor ``Q``
+``(B, h, L, F, d)`` (queries / messages / their gradient), the key or value table ``src``
+``(B, h, M, d)`` and the candidates ``cand`` ``(B, h, L, K)``; constexpr flags select what
+it computes: ``P = Q . G^T``, ``Q = P G`` (``G = src[cand]``, the gathered rows, held only
+in registers) and / or ``dsrc += P^T Q`` by ``tl.atomic_add`` into a float32 buffer.
+One program handles one (batch, head) pair and a block of ``BLOCK_P`` parents: it loads
+their candidate lists and gathered rows once and treats the ``F`` children in a static loop.
+Everything is accumulated in float32 for float32 / bfloat16 / float16 inputs; no ``tl.dot``
+(no TF32): the products are exact float32 multiply-adds, only the summation order differs
+from the PyTorch path. The scatter-add makes the gradient of ``src`` non-deterministic in
+its last bits on the GPU (atomics), as ``index_add_`` is on CUDA.
+
+Custom ops (``torch.library.triton_op``, one ``torch.compile`` node each):
+``flatten_mm::qt_gathered_scores`` / ``qt_gathered_scores_backward`` and
+``flatten_mm::qt_gathered_messages`` / ``qt_gathered_messages_backward``, joined by
+``register_autograd``.
+
+On CUDA tensors the kernels are compiled by Triton; on CPU tensors they run only under
+Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported), which is
+how the tests run them.
+"""
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .focused_linear_attention_triton import _cast_rne
+
+#: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+#: register budget: ``BLOCK_K * BLOCK_D`` gathered elements per parent (e.g. 4K = 128
+#: candidates of d = 64, or 256 of d = 32); larger problems take the PyTorch path
+_MAX_TILE = 1 << 13
+#: elements of the per-program ``(BLOCK_P, BLOCK_K, BLOCK_D)`` tile on the GPU
+_GPU_TILE = 1 << 13
+
+
+# ----------------------------------------------------------------------------------------
+# kernel
+
+
+@triton.jit
+def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
+                        H, L, K, D,
+                        spb, sph, spl, spf, spk,
+                        sqb, sqh, sql, sqf, sqd,
+                        ssb, ssh, ssm, ssd,
+                        scb, sch, scl, sck,
+                        sob, soh, sol, sof, sox,
+                        sdb, sdh, sdm,
+                        F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_D: tl.constexpr, OUT_P: tl.constexpr, OUT_Q: tl.constexpr,
+                        SCATTER: tl.constexpr):
+    """One (batch, head) pair (``program_id(1)``) and ``BLOCK_P`` parents
+    (``program_id(0)``).
+
+    ``OUT_P``: ``out[l, f, k] = <Q[l, f], src[cand[l, k]]>`` (``out`` shaped like ``P``).
+    ``OUT_Q``: ``out[l, f] = sum_k P[l, f, k] src[cand[l, k]]`` (shaped like ``Q``).
+    ``SCATTER``: ``dsrc[cand[l, k]] += sum_f P[l, f, k] Q[l, f]`` (float32, atomic;
+    ``dsrc`` contiguous in its last dim).
+    """
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hh = (bh % H).to(tl.int64)
+    par = pid * BLOCK_P + tl.arange(0, BLOCK_P)  # (BP,)
+    kk = tl.arange(0, BLOCK_K)  # (BK,)
+    dd = tl.arange(0, BLOCK_D)  # (BD,)
+    pmask = par < L
+    pk_mask = pmask[:, None] & (kk < K)[None, :]  # (BP, BK)
+    pd_mask = pmask[:, None] & (dd < D)[None, :]  # (BP, BD)
+    pkd_mask = pk_mask[:, :, None] & (dd < D)[None, None, :]  # (BP, BK, BD)
+    par64 = par.to(tl.int64)
+
+    # the candidate rows of the parents: loaded once, shared by the F children
+    cand = tl.load(cand_ptr + b * scb + hh * sch + par64[:, None] * scl + kk[None, :] * sck,
+                   mask=pk_mask, other=0)
+    src_off = cand.to(tl.int64)[:, :, None] * ssm + dd[None, None, :] * ssd  # (BP, BK, BD)
+    if OUT_P or OUT_Q:
+        g = tl.load(src_ptr + b * ssb + hh * ssh + src_off, mask=pkd_mask,
+                    other=0.).to(tl.float32)
+    if SCATTER:
+        acc = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
+
+    p_base = p_ptr + b * spb + hh * sph + par64[:, None] * spl + kk[None, :] * spk
+    q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
+    o_base = out_ptr + b * sob + hh * soh + par64[:, None] * sol
+    for f in tl.static_range(F):
+        if OUT_P:  # (BP, BD) . (BP, BK, BD) -> (BP, BK)
+            qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
+            res = tl.sum(g * qf[:, None, :], axis=2)
+            tl.store(o_base + f * sof + kk[None, :] * sox,
+                     _cast_rne(res, out_ptr.dtype.element_ty), mask=pk_mask)
+        if OUT_Q:  # (BP, BK) x (BP, BK, BD) -> (BP, BD)
+            pf = tl.load(p_base + f * spf, mask=pk_mask, other=0.).to(tl.float32)
+            res = tl.sum(g * pf[:, :, None], axis=1)
+            tl.store(o_base + f * sof + dd[None, :] * sox,
+                     _cast_rne(res, out_ptr.dtype.element_ty), mask=pd_mask)
+        if SCATTER:
+            pf = tl.load(p_base + f * spf, mask=pk_mask, other=0.).to(tl.float32)
+            qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
+            acc += pf[:, :, None] * qf[:, None, :]
+    if SCATTER:
+        d_off = cand.to(tl.int64)[:, :, None] * sdm + dd[None, None, :]
+        tl.atomic_add(dsrc_ptr + b * sdb + hh * sdh + d_off, acc, mask=pkd_mask)
+
+
+@triton.jit
+def _qt_final_b_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, out_ptr, stats_ptr,
+                    H, L, K, D,
+                    sqb, sqh, sql, sqf, sqd,
+                    skb, skh, skm, skd,
+                    svb, svh, svm, svd,
+                    scb, sch, scl, sck,
+                    sob, soh, sol, sof, sod,
+                    F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Variant B's final level fused: ``out[l, f] = softmax_k(<q[l, f], key[cand[l, k]]>)
+    @ value[cand[l]]`` for ``BLOCK_P`` parents of one (batch, head) pair; the ``4K``
+    candidates of a parent fit one tile, so the softmax is exact in registers (no scores
+    written). Stores the softmax statistics ``stats[bh, l, f] = (max, sum of exp)`` (float32)
+    for the backward pass (two numbers, not the log-sum-exp: ``exp(s - max) / sum`` keeps
+    the rounding error of the weights independent of the score magnitude)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hh = (bh % H).to(tl.int64)
+    par = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    kk = tl.arange(0, BLOCK_K)
+    dd = tl.arange(0, BLOCK_D)
+    pmask = par < L
+    kmask = kk < K
+    pk_mask = pmask[:, None] & kmask[None, :]
+    pd_mask = pmask[:, None] & (dd < D)[None, :]
+    pkd_mask = pk_mask[:, :, None] & (dd < D)[None, None, :]
+    par64 = par.to(tl.int64)
+    cand = tl.load(cand_ptr + b * scb + hh * sch + par64[:, None] * scl + kk[None, :] * sck,
+                   mask=pk_mask, other=0).to(tl.int64)
+    kg = tl.load(k_ptr + b * skb + hh * skh + cand[:, :, None] * skm + dd[None, None, :] * skd,
+                 mask=pkd_mask, other=0.).to(tl.float32)
+    vg = tl.load(v_ptr + b * svb + hh * svh + cand[:, :, None] * svm + dd[None, None, :] * svd,
+                 mask=pkd_mask, other=0.).to(tl.float32)
+    q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
+    o_base = out_ptr + b * sob + hh * soh + par64[:, None] * sol + dd[None, :] * sod
+    stats_base = stats_ptr + bh.to(tl.int64) * L * F * 2 + par64 * F * 2
+    for f in tl.static_range(F):
+        qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
+        sc = tl.sum(kg * qf[:, None, :], axis=2)  # (BP, BK)
+        sc = tl.where(kmask[None, :], sc, float('-inf'))
+        m = tl.max(sc, axis=1)
+        e = tl.exp(sc - m[:, None])
+        den = tl.sum(e, axis=1)
+        o = tl.sum(vg * e[:, :, None], axis=1) / den[:, None]
+        tl.store(o_base + f * sof, _cast_rne(o, out_ptr.dtype.element_ty), mask=pd_mask)
+        tl.store(stats_base + 2 * f, m, mask=pmask)
+        tl.store(stats_base + 2 * f + 1, den, mask=pmask)
+
+
+@triton.jit
+def _qt_final_b_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, g_ptr, dq_ptr, dk_ptr,
+                    dv_ptr, H, L, K, D, M,
+                    sqb, sqh, sql, sqf, sqd,
+                    skb, skh, skm, skd,
+                    svb, svh, svm, svd,
+                    scb, sch, scl, sck,
+                    sgb, sgh, sgl, sgf, sgd,
+                    F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Backward of ``_qt_final_b_fwd`` (recomputes the weights from ``stats``):
+    ``dq`` (contiguous, input dtype) and float32 atomic scatter-adds into ``dk`` / ``dv``
+    (contiguous ``(B, h, M, d)``)::
+
+        p = exp(s - max) / sum; dp = g . v; ds = p (dp - sum_k p dp)   (sum_k p dp = g . out)
+        dq = ds @ k_cand;  dk[cand] += ds^T q;  dv[cand] += p^T g
+    """
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hh = (bh % H).to(tl.int64)
+    par = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    kk = tl.arange(0, BLOCK_K)
+    dd = tl.arange(0, BLOCK_D)
+    pmask = par < L
+    kmask = kk < K
+    pk_mask = pmask[:, None] & kmask[None, :]
+    pd_mask = pmask[:, None] & (dd < D)[None, :]
+    pkd_mask = pk_mask[:, :, None] & (dd < D)[None, None, :]
+    par64 = par.to(tl.int64)
+    cand = tl.load(cand_ptr + b * scb + hh * sch + par64[:, None] * scl + kk[None, :] * sck,
+                   mask=pk_mask, other=0).to(tl.int64)
+    kg = tl.load(k_ptr + b * skb + hh * skh + cand[:, :, None] * skm + dd[None, None, :] * skd,
+                 mask=pkd_mask, other=0.).to(tl.float32)
+    vg = tl.load(v_ptr + b * svb + hh * svh + cand[:, :, None] * svm + dd[None, None, :] * svd,
+                 mask=pkd_mask, other=0.).to(tl.float32)
+    dk = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
+    q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
+    g_base = g_ptr + b * sgb + hh * sgh + par64[:, None] * sgl + dd[None, :] * sgd
+    dq_base = dq_ptr + bh.to(tl.int64) * L * F * D + par64[:, None] * F * D + dd[None, :]
+    stats_base = stats_ptr + bh.to(tl.int64) * L * F * 2 + par64 * F * 2
+    for f in tl.static_range(F):
+        qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
+        gf = tl.load(g_base + f * sgf, mask=pd_mask, other=0.).to(tl.float32)
+        m = tl.load(stats_base + 2 * f, mask=pmask, other=0.)
+        den = tl.load(stats_base + 2 * f + 1, mask=pmask, other=1.)
+        sc = tl.sum(kg * qf[:, None, :], axis=2)
+        p = tl.where(pk_mask, tl.exp(sc - m[:, None]) / den[:, None], 0.)  # (BP, BK)
+        dp = tl.sum(vg * gf[:, None, :], axis=2)
+        # (g . out from the float32 weights, not from the stored, rounded output)
+        ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+        dqf = tl.sum(kg * ds[:, :, None], axis=1)
+        tl.store(dq_base + f * D, _cast_rne(dqf, dq_ptr.dtype.element_ty), mask=pd_mask)
+        dk += ds[:, :, None] * qf[:, None, :]
+        dv += p[:, :, None] * gf[:, None, :]
+    rows = cand[:, :, None] * D + dd[None, None, :]
+    base = bh.to(tl.int64) * M * D  # (dk, dv: contiguous (B, h, M, d))
+    tl.atomic_add(dk_ptr + base + rows, dk, mask=pkd_mask)
+    tl.atomic_add(dv_ptr + base + rows, dv, mask=pkd_mask)
+
+
+# ----------------------------------------------------------------------------------------
+# launch helpers
+
+
+def _blocks(K: int, d: int) -> Tuple[int, int, int]:
+    """``BLOCK_P`` parents per program, padded ``BLOCK_K`` candidates and ``BLOCK_D``
+    channels. Interpreted: 2 parents, so the tests cover blocks of several parents with a
+    masked tail (odd ``L``)."""
+    bk = max(2, triton.next_power_of_2(K))
+    bd = max(2, triton.next_power_of_2(d))
+    bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (bk * bd)))
+    return bp, bk, bd
+
+
+def tile_fits(num_candidates: int, head_dim: int) -> bool:
+    """Whether ``num_candidates`` gathered rows of ``head_dim`` fit the register budget."""
+    _, bk, bd = _blocks(num_candidates, head_dim)
+    return bk * bd <= _MAX_TILE
+
+
+def _launch(P: torch.Tensor, Q: torch.Tensor, src: torch.Tensor, cand: torch.Tensor,
+            out: Optional[torch.Tensor], dsrc: Optional[torch.Tensor], out_p: bool,
+            out_q: bool) -> None:
+    """One launch of ``_qt_gathered_kernel`` (see its docstring for the flags)."""
+    B, h, L, nf, K = P.shape
+    d = Q.shape[-1]
+    bp, bk, bd = _blocks(K, d)
+    o = out if out is not None else P  # (unused pointer when there is no output)
+    ds = dsrc if dsrc is not None else src
+    ds_strides = dsrc.stride()[:3] if dsrc is not None else (0, 0, 0)
+    torch.library.wrap_triton(_qt_gathered_kernel)[(triton.cdiv(L, bp), B * h)](
+        P, Q, src, cand, o, ds, h, L, K, d, *P.stride(), *Q.stride(), *src.stride(),
+        *cand.stride(), *o.stride(), *ds_strides,
+        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, OUT_P=out_p, OUT_Q=out_q,
+        SCATTER=dsrc is not None, num_warps=4 if bp * bk * bd <= 4096 else 8)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the four launches of the two ops: (name, OUT_P, OUT_Q, SCATTER)
+_MODES = (('scores', True, False, False), ('scores_backward', False, True, True),
+          ('messages', False, True, False), ('messages_backward', True, False, True))
+
+
+def _signature(fn, const: dict, io: str, fp32_ptrs: Tuple[str, ...]) -> Tuple[dict, dict]:
+    sig, cst = {}, {}
+    for arg in fn.arg_names:
+        if arg in const:
+            sig[arg], cst[arg] = 'constexpr', const[arg]
+        elif arg == 'cand_ptr':
+            sig[arg] = '*i64'
+        elif arg.endswith('_ptr'):
+            sig[arg] = '*fp32' if arg in fp32_ptrs else io
+        else:
+            sig[arg] = 'i32'
+    return sig, cst
+
+
+def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
+    """What the launches of the ops compile (scores / messages, forward / backward, and the
+    fused final level's two kernels): ``(name, kernel, signature, constexprs, options)``
+    each, for ahead-of-time compilation without a GPU (``triton.compile(ASTSource(kernel,
+    signature, constexprs), target, options)``). Needs the kernels compiled, not
+    interpreted."""
+    if INTERPRETED:
+        raise RuntimeError('aot_specs needs the compiled kernels (TRITON_INTERPRET unset)')
+    io = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]
+    bp, bk, bd = _blocks(num_candidates, head_dim)
+    options = dict(num_warps=4 if bp * bk * bd <= 4096 else 8)
+    specs = []
+    for name, out_p, out_q, scatter in _MODES:
+        const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, OUT_P=out_p, OUT_Q=out_q,
+                     SCATTER=scatter)
+        sig, cst = _signature(_qt_gathered_kernel, const, io,
+                              ('dsrc_ptr', ) if scatter else ())
+        specs.append((name, _qt_gathered_kernel, sig, cst, options))
+    bp, bk, bd, warps = _final_blocks(num_candidates, head_dim)
+    const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd)
+    for name, fn, fp32 in (('final_level_b', _qt_final_b_fwd, ('stats_ptr', )),
+                           ('final_level_b_backward', _qt_final_b_bwd,
+                            ('stats_ptr', 'dk_ptr', 'dv_ptr'))):
+        sig, cst = _signature(fn, const, io, fp32)
+        specs.append((name, fn, sig, cst, dict(num_warps=warps)))
+    return specs
+
+
+def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
+                 scores: bool) -> Optional[str]:
+    """Why the kernels cannot take these inputs (``None`` if they can).
+
+    Args:
+        a: ``(B, h, L, F, d)`` queries (``scores``) or ``(B, h, L, F, K)`` weights.
+        src: ``(B, h, M, d)`` keys or values.
+        index: ``(B, h, L, K)`` candidate rows.
+        scores: whether this is the score kernel (else the message kernel).
+    """
+    if a.dim() != 5 or src.dim() != 4 or index.dim() != 4:
+        return (f'expected a 5-d, src 4-d and index 4-d, got {tuple(a.shape)}, '
+                f'{tuple(src.shape)}, {tuple(index.shape)}')
+    B, h, L, nf, X = a.shape
+    M, d = src.shape[2:]
+    K = index.shape[-1]
+    if src.shape[:2] != (B, h) or index.shape[:3] != (B, h, L):
+        return (f'shapes do not match: a {tuple(a.shape)}, src {tuple(src.shape)}, '
+                f'index {tuple(index.shape)}')
+    if X != (d if scores else K):
+        return f'last dim of a is {X}, expected {d if scores else K}'
+    if min(B, h, L, nf, M, d, K) == 0:
+        return 'empty tensor'
+    if B * h > 65535:  # CUDA grid limit of the 2nd dimension
+        return f'batch x heads = {B * h} above 65535'
+    if nf > 16:
+        return f'{nf} children per parent (the kernel unrolls them; at most 16)'
+    if not tile_fits(K, d):
+        return f'{K} candidates x head dim {d} above the register budget ({_MAX_TILE})'
+    if index.dtype not in (torch.int64, torch.int32):
+        return f'index dtype {index.dtype} (int64 / int32)'
+    for t in (a, src):
+        if t.dtype not in _FLOAT_DTYPES:
+            return f'dtype {t.dtype} (the kernels take float32 / bfloat16 / float16)'
+    devices = {t.device for t in (a, src, index)}
+    if len(devices) != 1:
+        return f'tensors on several devices {sorted(map(str, devices))}'
+    dev = devices.pop()
+    if dev.type == 'cpu':
+        if not INTERPRETED:
+            return ('CPU tensors need Triton\'s interpreter: set TRITON_INTERPRET=1 before '
+                    'flatten_mm.models.layers.quadtree_attention_triton is imported')
+    elif dev.type != 'cuda':
+        return f'device {dev} (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)'
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# custom ops: scores
+
+
+@torch.library.triton_op('flatten_mm::qt_gathered_scores', mutates_args=())
+def _scores_op(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    B, h, L, nf, _ = query.shape
+    K = index.shape[-1]
+    out = query.new_empty((B, h, L, nf, K))
+    _launch(out, query, key, index, out, None, out_p=True, out_q=False)
+    return out
+
+
+@_scores_op.register_fake
+def _(query, key, index):
+    B, h, L, nf, _ = query.shape
+    return query.new_empty((B, h, L, nf, index.shape[-1]))
+
+
+@torch.library.triton_op('flatten_mm::qt_gathered_scores_backward', mutates_args=())
+def _scores_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                        index: torch.Tensor, need_query: bool,
+                        need_key: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dquery, dkey)``; an empty tensor stands for a gradient that is not needed."""
+    dq = torch.empty_like(query, memory_format=torch.contiguous_format) if need_query else \
+        query.new_empty((0, ))
+    dk32 = torch.zeros(key.shape, dtype=torch.float32, device=key.device) if need_key else None
+    if need_query or need_key:
+        _launch(grad, query, key, index, dq if need_query else None, dk32, out_p=False,
+                out_q=need_query)
+    dk = dk32.to(key.dtype) if need_key else key.new_empty((0, ))
+    return dq, dk
+
+
+@_scores_backward_op.register_fake
+def _(grad, query, key, index, need_query, need_key):
+    dq = torch.empty_like(query, memory_format=torch.contiguous_format) if need_query else \
+        query.new_empty((0, ))
+    dk = torch.empty_like(key, memory_format=torch.contiguous_format) if need_key else \
+        key.new_empty((0, ))
+    return dq, dk
+
+
+def _scores_setup(ctx, inputs, output):
+    query, key, index = inputs
+    ctx.save_for_backward(query, key, index)
+
+
+def _scores_backward(ctx, grad):
+    query, key, index = ctx.saved_tensors
+    need_q, need_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dq, dk = torch.ops.flatten_mm.qt_gathered_scores_backward(grad, query, key, index,
+                                                              need_q, need_k)
+    return (dq if need_q else None), (dk if need_k else None), None
+
+
+_scores_op.register_autograd(_scores_backward, setup_context=_scores_setup)
+
+
+# ----------------------------------------------------------------------------------------
+# custom ops: messages
+
+
+@torch.library.triton_op('flatten_mm::qt_gathered_messages', mutates_args=())
+def _messages_op(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    B, h, L, nf, _ = weight.shape
+    out = weight.new_empty((B, h, L, nf, value.shape[-1]))
+    _launch(weight, out, value, index, out, None, out_p=False, out_q=True)
+    return out
+
+
+@_messages_op.register_fake
+def _(weight, value, index):
+    B, h, L, nf, _ = weight.shape
+    return weight.new_empty((B, h, L, nf, value.shape[-1]))
+
+
+@torch.library.triton_op('flatten_mm::qt_gathered_messages_backward', mutates_args=())
+def _messages_backward_op(grad: torch.Tensor, weight: torch.Tensor, value: torch.Tensor,
+                          index: torch.Tensor, need_weight: bool,
+                          need_value: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dweight, dvalue)``; an empty tensor stands for a gradient that is not needed."""
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else \
+        weight.new_empty((0, ))
+    dv32 = torch.zeros(value.shape, dtype=torch.float32, device=value.device) if need_value \
+        else None
+    if need_weight or need_value:
+        _launch(weight, grad, value, index, dw if need_weight else None, dv32,
+                out_p=need_weight, out_q=False)
+    dv = dv32.to(value.dtype) if need_value else value.new_empty((0, ))
+    return dw, dv
+
+
+@_messages_backward_op.register_fake
+def _(grad, weight, value, index, need_weight, need_value):
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else \
+        weight.new_empty((0, ))
+    dv = torch.empty_like(value, memory_format=torch.contiguous_format) if need_value else \
+        value.new_empty((0, ))
+    return dw, dv
+
+
+def _messages_setup(ctx, inputs, output):
+    weight, value, index = inputs
+    ctx.save_for_backward(weight, value, index)
+
+
+def _messages_backward(ctx, grad):
+    weight, value, index = ctx.saved_tensors
+    need_w, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dw, dv = torch.ops.flatten_mm.qt_gathered_messages_backward(grad, weight, value, index,
+                                                                need_w, need_v)
+    return (dw if need_w else None), (dv if need_v else None), None
+
+
+_messages_op.register_autograd(_messages_backward, setup_context=_messages_setup)
+
+
+# ----------------------------------------------------------------------------------------
+# custom ops: variant B's final level, fused
+
+
+def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
+    """``BLOCK_P``, ``BLOCK_K``, ``BLOCK_D`` and warps of the fused final-level kernels (two
+    gathered tiles in the forward, four in the backward)."""
+    _, bk, bd = _blocks(K, d)
+    bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (2 * bk * bd)))
+    return bp, bk, bd, 4 if bp * bk * bd <= 2048 else 8
+
+
+@torch.library.triton_op('flatten_mm::qt_final_level_b', mutates_args=())
+def _final_b_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, h, L, nf, d = query.shape
+    K = index.shape[-1]
+    bp, bk, bd, warps = _final_blocks(K, d)
+    out = query.new_empty((B, h, L, nf, d))
+    stats = query.new_empty((B, h, L, nf, 2), dtype=torch.float32)
+    torch.library.wrap_triton(_qt_final_b_fwd)[(triton.cdiv(L, bp), B * h)](
+        query, key, value, index, out, stats, h, L, K, d, *query.stride(), *key.stride(),
+        *value.stride(), *index.stride(), *out.stride(),
+        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, num_warps=warps)
+    return out, stats
+
+
+@_final_b_op.register_fake
+def _(query, key, value, index):
+    return (query.new_empty(query.shape),
+            query.new_empty((*query.shape[:4], 2), dtype=torch.float32))
+
+
+@torch.library.triton_op('flatten_mm::qt_final_level_b_backward', mutates_args=())
+def _final_b_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, index: torch.Tensor,
+                         stats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, h, L, nf, d = query.shape
+    M, K = key.shape[2], index.shape[-1]
+    bp, bk, bd, warps = _final_blocks(K, d)
+    dq = torch.empty((B, h, L, nf, d), dtype=query.dtype, device=query.device)
+    dk = torch.zeros((B, h, M, d), dtype=torch.float32, device=key.device)
+    dv = torch.zeros((B, h, M, d), dtype=torch.float32, device=value.device)
+    torch.library.wrap_triton(_qt_final_b_bwd)[(triton.cdiv(L, bp), B * h)](
+        query, key, value, index, stats, grad, dq, dk, dv, h, L, K, d, M, *query.stride(),
+        *key.stride(), *value.stride(), *index.stride(), *grad.stride(),
+        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, num_warps=warps)
+    return dq, dk.to(key.dtype), dv.to(value.dtype)
+
+
+@_final_b_backward_op.register_fake
+def _(grad, query, key, value, index, stats):
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            torch.empty_like(key, memory_format=torch.contiguous_format),
+            torch.empty_like(value, memory_format=torch.contiguous_format))
+
+
+def _final_b_setup(ctx, inputs, output):
+    query, key, value, index = inputs
+    _, stats = output
+    ctx.save_for_backward(query, key, value, index, stats)
+    ctx.mark_non_differentiable(stats)
+
+
+def _final_b_backward(ctx, grad_out, grad_stats):
+    query, key, value, index, stats = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flatten_mm.qt_final_level_b_backward(grad_out, query, key, value,
+                                                                index, stats)
+    return dq, dk, dv, None
+
+
+_final_b_op.register_autograd(_final_b_backward, setup_context=_final_b_setup)
+
+
+# ----------------------------------------------------------------------------------------
+# entry points
+
+
+def gathered_scores_triton(query: torch.Tensor, key: torch.Tensor,
+                           index: torch.Tensor) -> torch.Tensor:
+    """``gathered_scores`` by the Triton kernel (differentiable in ``query`` and ``key``).
+
+    Args:
+        query: ``(B, h, L, F, d)`` child queries grouped by parent (any strides).
+        key: ``(B, h, M, d)`` keys of the level.
+        index: ``(B, h, L, K)`` candidate key rows of each parent.
+
+    Returns:
+        ``(B, h, L, F, K)`` in the dtype of ``query`` (accumulated in float32).
+
+    Raises:
+        ValueError: inputs the kernels do not take (see ``check_inputs``).
+    """
+    why = check_inputs(query, key, index, scores=True)
+    if why is not None:
+        raise ValueError(f'QuadTree Triton kernels: {why}')
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        return torch.ops.flatten_mm.qt_gathered_scores(query, key, index)
+
+
+def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor,
+                             index: torch.Tensor) -> torch.Tensor:
+    """``gathered_messages`` by the Triton kernel (differentiable in ``weight``, ``value``).
+
+    Args:
+        weight: ``(B, h, L, F, K)`` attention weights (any strides).
+        value: ``(B, h, M, d)`` values of the level.
+        index: ``(B, h, L, K)`` candidate rows.
+
+    Returns:
+        ``(B, h, L, F, d)`` in the dtype of ``weight`` (accumulated in float32).
+
+    Raises:
+        ValueError: inputs the kernels do not take (see ``check_inputs``).
+    """
+    why = check_inputs(weight, value, index, scores=False)
+    if why is not None:
+        raise ValueError(f'QuadTree Triton kernels: {why}')
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        return torch.ops.flatten_mm.qt_gathered_messages(weight, value, index)
+
+
+def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         index: torch.Tensor) -> torch.Tensor:
+    """Variant B's final level in one kernel: ``gathered_messages(softmax(
+    gathered_scores(query, key, index)), value, index)`` without writing the ``(B, h, L, F,
+    K)`` scores or weights (differentiable in ``query``, ``key``, ``value``; the backward
+    recomputes the weights from the saved softmax max and sum).
+
+    Args:
+        query: ``(B, h, L, F, d)`` child queries (already multiplied by the temperature).
+        key: ``(B, h, M, d)`` keys of the level.
+        value: ``(B, h, M, d)`` values of the level.
+        index: ``(B, h, L, K)`` candidate rows.
+
+    Returns:
+        ``(B, h, L, F, d)`` in the dtype of ``query`` (computed in float32).
+
+    Raises:
+        ValueError: inputs the kernels do not take (see ``check_inputs``).
+    """
+    why = check_inputs(query, key, index, scores=True)
+    if why is None and value.shape != key.shape:
+        why = f'value {tuple(value.shape)} does not match key {tuple(key.shape)}'
+    if why is None:
+        why = check_inputs(query, value, index, scores=True)
+    if why is not None:
+        raise ValueError(f'QuadTree Triton kernels: {why}')
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        out, _ = torch.ops.flatten_mm.qt_final_level_b(query, key, value, index)
+    return out
+
+
+__all__ = ['gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
+           'check_inputs', 'tile_fits', 'INTERPRETED']

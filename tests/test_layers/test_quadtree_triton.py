@@ -1,0 +1,450 @@
+"""The Triton kernels of QuadTree attention (``quadtree_attention_triton``: gathered
+scores, gathered messages, B's fused final level) on the CPU, under Triton's interpreter:
+forward and gradients against the PyTorch path (``_GatheredMatmul``) and a float64 gather
+reference, the whole core (A and B, training and inference paths) with the kernels on and
+off, the switches, the custom-op registration, and a compile for sm_90 without a GPU.
+
+As in test_fla_triton.py, ``TRITON_INTERPRET=1`` is set before the kernel module is
+imported (Triton decides at decoration time) and around each test. Never skipped: without
+Triton the import fails.
+"""
+import operator
+import os
+
+_PREVIOUS = os.environ.get('TRITON_INTERPRET')
+os.environ['TRITON_INTERPRET'] = '1'
+import triton  # noqa: E402,F401  (the kernels need it: fail, never skip, without it)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
+from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
+from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
+from flatten_mm.models.layers import quadtree_attention_triton as qt  # noqa: E402
+
+if _PREVIOUS is None:
+    del os.environ['TRITON_INTERPRET']
+else:
+    os.environ['TRITON_INTERPRET'] = _PREVIOUS
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+    monkeypatch.delenv(fla.TRITON_ENV, raising=False)
+    yield
+
+
+def test_kernels_are_interpreted():
+    assert qt.INTERPRETED, (
+        'the QuadTree kernel module was imported before TRITON_INTERPRET=1 was set: its '
+        'kernels cannot run on CPU tensors')
+
+
+# --------------------------------------------------------------------------- helpers
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _gather(src, index):
+    """``src[b, j, index[b, j]]`` by advanced indexing: ``(B, h, L, K, d)``."""
+    B, h = index.shape[:2]
+    return src[torch.arange(B).view(B, 1, 1, 1), torch.arange(h).view(1, h, 1, 1), index]
+
+
+#: the three kernels: gathered scores, gathered messages, B's fused final level; each as
+#: (kernel, PyTorch path, reference): the PyTorch path is the operator's (chunks of 2
+#: parents, so several chunks run), the reference a float64 gather by advanced indexing,
+#: independent of both
+KINDS = {
+    'scores': (
+        lambda a, src, index: qt.gathered_scores_triton(a, src[0], index),
+        lambda a, src, index: qa._GatheredMatmul.apply(a, src[0], index, True, 2),
+        lambda a, src, index: a @ _gather(src[0], index).transpose(-1, -2)),
+    'messages': (
+        lambda a, src, index: qt.gathered_messages_triton(a, src[0], index),
+        lambda a, src, index: qa._GatheredMatmul.apply(a, src[0], index, False, 2),
+        lambda a, src, index: a @ _gather(src[0], index)),
+    'final-b': (
+        lambda a, src, index: qt.final_level_b_triton(a, src[0], src[1], index),
+        lambda a, src, index: qa._GatheredMatmul.apply(
+            qa._GatheredMatmul.apply(a, src[0], index, True, 2).softmax(-1), src[1], index,
+            False, 2),
+        lambda a, src, index: (a @ _gather(src[0], index).transpose(-1, -2)).softmax(-1)
+        @ _gather(src[1], index)),
+}
+
+
+def _run(fn, a, srcs, index, grad, dtype):
+    """Output and gradients w.r.t. ``a`` and every ``src`` of ``(fn(a, srcs, index) *
+    grad).sum()``, inputs cast to ``dtype``; results in float64."""
+    a = a.detach().to(dtype).requires_grad_(True)
+    srcs = [s.detach().to(dtype).requires_grad_(True) for s in srcs]
+    out = fn(a, srcs, index)
+    grads = torch.autograd.grad(out, [a] + srcs, grad.to(out.dtype))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    return [out.double()] + [g.double() for g in grads]
+
+
+def _problem(B, h, L, nf, M, d, K, kind, seed=0, index=None):
+    """float64 ``a`` (queries or weights), the key / value tables, candidate rows and an
+    output gradient for ``kind``."""
+    a = torch.randn(B, h, L, nf, K if kind == 'messages' else d, generator=_gen(seed),
+                    dtype=torch.float64)
+    srcs = [torch.randn(B, h, M, d, generator=_gen(seed + 1 + i), dtype=torch.float64)
+            for i in range(2 if kind == 'final-b' else 1)]
+    if index is None:
+        index = torch.randint(0, M, (B, h, L, K), generator=_gen(seed + 5))
+    grad = torch.randn(B, h, L, nf, K if kind == 'scores' else d, generator=_gen(seed + 6),
+                       dtype=torch.float64)
+    return a, srcs, index, grad
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# (B, h, L, F, M, d, K): several heads and odd L (a masked tail in the 2-parent blocks),
+# K and d not powers of two (masked lanes), few key rows (every row chosen by many parents
+# and, in the first case, repeated inside a parent: the atomic adds must accumulate)
+CASES = {
+    'dup-rows-3-heads-odd-L': (2, 3, 7, 4, 5, 8, 12),
+    'd24-K20': (1, 2, 5, 4, 40, 24, 20),
+    'one-head-F4-K128': (1, 1, 3, 4, 150, 32, 128),  # QuadTree-B's topk 32: 4K = 128
+}
+#: observed max relative errors (forward and every gradient, fp32 vs float64, over CASES x
+#: KINDS): kernels <= 6.7e-7, PyTorch path <= 6.6e-7. Bound: about 8x.
+_FP32_BOUND = 5e-6
+
+
+@pytest.mark.parametrize('kind', list(KINDS))
+@pytest.mark.parametrize('case', list(CASES))
+def test_forward_and_gradients_match_float64_and_torch_path(case, kind):
+    kernel, torch_path, reference = KINDS[kind]
+    a, srcs, index, grad = _problem(*CASES[case], kind=kind)
+    ref = _run(reference, a, srcs, index, grad, torch.float64)
+    ours = _run(kernel, a, srcs, index, grad, torch.float32)
+    torch_out = _run(torch_path, a, srcs, index, grad, torch.float32)
+    for name, x, t, r in zip(('out', 'da', 'dsrc', 'dsrc2'), ours, torch_out, ref):
+        assert _max_rel(x, r) < _FP32_BOUND, (name, _max_rel(x, r))
+        assert _max_rel(t, r) < _FP32_BOUND, (name, _max_rel(t, r))
+        assert _max_rel(x, t) < _FP32_BOUND, (name, _max_rel(x, t))
+
+
+@pytest.mark.parametrize('kind', list(KINDS))
+def test_all_parents_on_two_rows_accumulate(kind):
+    """The candidates of every parent (several per program, both programs) alternate
+    between key rows 3 and 1: the table gradients are zero except those rows, which hold
+    the sums of all ``L * F * K / 2`` terms each."""
+    B, h, L, nf, M, d, K = 1, 2, 5, 4, 6, 8, 4
+    index = torch.tensor([3, 1] * (K // 2)).expand(B, h, L, K)
+    kernel, _, reference = KINDS[kind]
+    a, srcs, index, grad = _problem(B, h, L, nf, M, d, K, kind, seed=5, index=index)
+    ours = _run(kernel, a, srcs, index, grad, torch.float32)
+    ref = _run(reference, a, srcs, index, grad, torch.float64)
+    for dsrc, r in zip(ours[2:], ref[2:]):
+        assert dsrc[:, :, [1, 3]].abs().min() > 1e-3
+        assert torch.equal(dsrc[:, :, [0, 2, 4, 5]], torch.zeros_like(dsrc[:, :, :4]))
+        assert _max_rel(dsrc, r) < _FP32_BOUND
+
+
+@pytest.mark.parametrize('kind', list(KINDS))
+def test_non_contiguous_inputs(kind):
+    """``a`` as a permuted view, the tables as the head split of channels-last tokens (as
+    ``_to_heads`` makes them), ``index`` as a strided slice: read through their strides,
+    bit-identical results to contiguous copies."""
+    B, h, L, nf, M, d, K = 2, 2, 5, 4, 9, 8, 6
+    kernel, _, reference = KINDS[kind]
+    a, srcs, index, grad = _problem(B, h, L, nf, M, d, K, kind, seed=9)
+    a = a.float().transpose(2, 3).contiguous().transpose(2, 3)
+    srcs = [s.float().transpose(1, 2).contiguous().transpose(1, 2) for s in srcs]
+    index = torch.stack([index, index], -1).flatten(-2)[..., ::2]
+    assert not (a.is_contiguous() or srcs[0].is_contiguous() or index.is_contiguous())
+    out = _run(kernel, a, srcs, index, grad, torch.float32)
+    ref = _run(kernel, a.contiguous(), [s.contiguous() for s in srcs], index.contiguous(),
+               grad, torch.float32)
+    for x, r in zip(out, ref):
+        assert torch.equal(x, r)
+    f64 = _run(reference, a.double(), [s.double() for s in srcs], index, grad, torch.float64)
+    assert all(_max_rel(x, r) < _FP32_BOUND for x, r in zip(out, f64))
+
+
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize('kind', list(KINDS))
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_half_inputs_accumulate_in_float32(dtype, kind):
+    """bf16 / fp16 inputs: output and gradients (in the input dtype) within one rounding
+    of that dtype (+ 1e-5 of the largest value) of float64 on the same rounded inputs; an
+    accumulation in the half dtype over K = 64 terms would be far outside."""
+    kernel, _, reference = KINDS[kind]
+    a, srcs, index, grad = _problem(1, 2, 5, 4, 30, 16, 64, kind, seed=7)
+    a, grad = a.to(dtype).double(), grad.to(dtype).double()  # rounded, exactly
+    srcs = [s.to(dtype).double() for s in srcs]
+    ref = _run(reference, a, srcs, index, grad, torch.float64)
+    ours = _run(kernel, a, srcs, index, grad, dtype)
+    u = _UNIT_ROUNDOFF[dtype]
+    for name, x, r in zip(('out', 'da', 'dsrc', 'dsrc2'), ours, ref):
+        bound = u * r.abs() + 1e-5 * r.abs().max()
+        assert ((x - r).abs() <= bound).all(), (name, ((x - r).abs() - bound).max().item())
+
+
+# --------------------------------------------------------------------------- the core
+def _pyramids(B, C, hw, levels, seed):
+    gen = _gen(seed)
+    out = []
+    for _ in range(3):
+        maps = [torch.randn(B, C, hw[0] >> s, hw[1] >> s, generator=gen)
+                for s in range(levels)]
+        out.append(maps[::-1])
+    return out
+
+
+def _count_kernel_calls(monkeypatch):
+    calls = []
+    for name in ('gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton'):
+        real = getattr(qt, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(qt, name, spy)
+    return calls
+
+
+CORE_CASES = [  # (attn_type, levels, finest hw, heads, topks)
+    ('B', 3, (8, 12), 2, (4, 6)),
+    ('A', 3, (12, 8), 3, (4, 5)),
+    ('A', 2, (6, 10), 1, (5, )),
+]
+
+
+@pytest.mark.parametrize('attn_type,levels,hw,heads,topks', CORE_CASES)
+def test_core_with_kernels_matches_pytorch_path(attn_type, levels, hw, heads, topks,
+                                                monkeypatch):
+    """``quadtree_attention_core`` with ``use_triton=True`` against ``False``: forward and
+    the gradients of all pyramid maps (training path), and the no-grad output (inference:
+    batched path with the kernels vs the chunked / fused-CPU path). Every used top-k has
+    a relative margin above 1e-4 (recorded), so no selection can flip between the paths."""
+    calls = _count_kernel_calls(monkeypatch)
+    C = 8 * heads
+    qs, ks, vs = _pyramids(2, C, hw, levels, seed=11)
+    weight = lepes = None
+    if attn_type == 'B':
+        weight = torch.softmax(torch.randn(levels, generator=_gen(12)), 0)
+        lepes = [torch.randn(v.shape, generator=_gen(13 + i)) for i, v in enumerate(vs)]
+    leaves = qs + ks + vs
+    g = torch.randn(2, heads, hw[0] * hw[1], C // heads, generator=_gen(20))
+    results, margins = {}, []
+    for flag in (True, False):
+        xs = [t.clone().requires_grad_(True) for t in leaves]
+        S = len(qs)
+        out = qa.quadtree_attention_core(xs[:S], xs[S:2 * S], xs[2 * S:], heads, topks,
+                                         attn_type, weight, lepes,
+                                         margin_recorder=lambda lvl, m: margins.append(m),
+                                         use_triton=flag)
+        grads = torch.autograd.grad(out, xs, g)
+        with torch.no_grad():
+            inf = qa.quadtree_attention_core(qs, ks, vs, heads, topks, attn_type, weight,
+                                             lepes, use_triton=flag)
+        results[flag] = (out.detach(), grads, inf)
+    # per run: scores + messages per non-final finer level, and for the final level the
+    # fused kernel (B) or scores + messages (A); training and inference
+    per_run = 2 * (levels - 2) + (1 if attn_type == 'B' else 2)
+    assert len(calls) == 2 * per_run, calls
+    assert min(margins) > 1e-4, min(margins)
+    (out_t, grads_t, inf_t), (out_p, grads_p, inf_p) = results[True], results[False]
+    scale = out_p.abs().max()
+    # observed (relative to the largest value): outputs <= 2.2e-7, gradients <= 2.5e-7;
+    # the kernels' inference and training outputs are identical
+    torch.testing.assert_close(out_t, out_p, rtol=0, atol=3e-6 * scale)
+    torch.testing.assert_close(inf_t, inf_p, rtol=0, atol=3e-6 * scale)
+    torch.testing.assert_close(inf_t, out_t, rtol=0, atol=3e-6 * scale)
+    for i, (a, b) in enumerate(zip(grads_t, grads_p)):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-6 * b.abs().max(),
+                                   msg=lambda m, i=i: f'grad of leaf {i}: {m}')
+
+
+def test_module_with_kernels_matches_pytorch_path(monkeypatch):
+    """``QuadTreeAttention(use_triton=True)`` (B, 3 levels, odd map: padded) gives the
+    output and parameter gradients of ``use_triton=False`` and really runs the kernels."""
+    calls = _count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    m = QuadTreeAttention(16, 2, attn_type='B', num_levels=3, topk=4)
+    x = torch.randn(2, 11 * 13, 16)
+    results = []
+    for flag in (True, False):
+        m.zero_grad()
+        m.use_triton = flag
+        out = m(x, (11, 13))
+        out.square().sum().backward()
+        results.append((out.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}))
+    assert len(calls) == 3  # level 1: scores, messages; final level 2: fused
+    (out_t, grads_t), (out_p, grads_p) = results
+    # observed (relative to each tensor's largest value): output 8e-8, parameter
+    # gradients <= 4.8e-7
+    assert ((out_t - out_p).abs().max() / out_p.abs().max()).item() < 5e-6
+    # k_proj.bias shifts every score of a query by the same amount (softmax-invariant):
+    # its gradient is zero up to rounding (observed 4e-7 against 287 for proj.bias)
+    biggest = max(g.abs().max() for g in grads_p.values())
+    for t in (grads_t.pop('k_proj.bias'), grads_p.pop('k_proj.bias')):
+        assert t.abs().max() < 1e-6 * biggest
+    for name, g in grads_p.items():
+        err = ((grads_t[name] - g).abs().max() / g.abs().max()).item()
+        assert err < 5e-6, (name, err)
+
+
+# --------------------------------------------------------------------------- switches
+def _small_level():
+    a, srcs, index, _ = _problem(1, 2, 3, 4, 8, 4, 5, 'final-b')
+    return a.float(), srcs[0].float(), index
+
+
+def test_switches(monkeypatch):
+    """``use_triton=True`` runs the kernels; ``False``, ``None`` on CPU tensors and
+    ``FLATTEN_MM_TRITON=0`` (even with ``True``) run the PyTorch path (same values)."""
+    calls = _count_kernel_calls(monkeypatch)
+    a, src, index = _small_level()
+    ref = qa.gathered_scores(a, src, index, use_triton=True)
+    assert calls == ['gathered_scores_triton']
+    for flag in (False, None):
+        torch.testing.assert_close(qa.gathered_scores(a, src, index, use_triton=flag), ref,
+                                   rtol=1e-6, atol=1e-6)
+    assert len(calls) == 1
+    monkeypatch.setenv(fla.TRITON_ENV, '0')
+    qa.gathered_scores(a, src, index, use_triton=True)
+    m = QuadTreeAttention(8, 2, num_levels=2, topk=2, use_triton=True)
+    m(torch.randn(1, 16, 8), (4, 4))
+    assert len(calls) == 1
+    monkeypatch.setenv(fla.TRITON_ENV, '1')
+    m(torch.randn(1, 16, 8), (4, 4))
+    assert calls[1:] == ['final_level_b_triton']
+    m.use_triton = None  # auto: CPU tensors take the PyTorch path
+    m(torch.randn(1, 16, 8), (4, 4))
+    assert len(calls) == 2
+
+
+def test_invalid_and_refused_values():
+    with pytest.raises(ValueError, match='use_triton'):
+        QuadTreeAttention(8, 2, use_triton='yes')
+    a, src, index = _small_level()
+    with pytest.raises(ValueError, match='use_triton'):
+        qa.gathered_scores(a, src, index, use_triton=1)
+    with pytest.raises(ValueError, match='float64'):
+        qa.gathered_scores(a.double(), src.double(), index, use_triton=True)
+    big = torch.zeros(1, 1, 2, 4, 129)  # 129 candidates pad to 256 x head dim 64
+    with pytest.raises(ValueError, match='register budget'):
+        qa.gathered_messages(big, torch.zeros(1, 1, 3, 64), torch.zeros(1, 1, 2, 129,
+                                                                         dtype=torch.long),
+                             use_triton=True)
+
+
+def test_backbone_attn_cfg_reaches_the_operator():
+    from flatten_mm.models.backbones import QuadTreePVTv2
+    model = QuadTreePVTv2(arch='b0', attn_cfg=dict(use_triton=False))
+    flags = {m.use_triton for m in model.modules() if isinstance(m, QuadTreeAttention)}
+    assert flags == {False}
+    model = QuadTreePVTv2(arch='a-b0')
+    flags = {m.use_triton for m in model.modules() if isinstance(m, QuadTreeAttention)}
+    assert flags == {None}
+
+
+# --------------------------------------------------------------------------- registration
+_OPS = {'scores': 'qt_gathered_scores', 'messages': 'qt_gathered_messages',
+        'final-b': 'qt_final_level_b'}
+
+
+@pytest.mark.parametrize('kind', list(KINDS))
+def test_custom_op_registration(kind):
+    """Schema, fake (meta) implementation and autograd registration of
+    ``flatten_mm::qt_gathered_scores`` / ``qt_gathered_messages`` / ``qt_final_level_b``
+    (``opcheck``)."""
+    a, srcs, index, _ = _problem(1, 2, 3, 4, 8, 4, 5, kind)
+    args = [t.float().requires_grad_(True) for t in [a] + srcs] + [index]
+    op = getattr(torch.ops.flatten_mm, _OPS[kind])
+    torch.library.opcheck(op.default, tuple(args),
+                          test_utils=('test_schema', 'test_autograd_registration',
+                                      'test_faketensor'))
+
+
+def test_dynamo_sees_one_node_each():
+    """``torch.compile`` captures scores + softmax + messages as the two custom ops (plus
+    the softmax), without graph break."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, index):
+        s = qa.gathered_scores(q, k, index, use_triton=True)
+        return qa.gathered_messages(s.softmax(-1), k, index, use_triton=True)
+
+    a, src, index = _small_level()
+    out = torch.compile(f, backend=backend, fullgraph=True)(a, src, index)
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes
+               if n.op in ('call_function', 'call_method')
+               and n.target is not operator.getitem and 'autocast' not in str(n.target)]
+    assert sum('qt_gathered_scores' in t for t in targets) == 1, targets
+    assert sum('qt_gathered_messages' in t for t in targets) == 1, targets
+    assert len(targets) == 3, targets
+    assert torch.equal(out, f(a, src, index))
+
+
+def test_module_compiles_to_one_graph_with_the_ops():
+    """``torch.compile(fullgraph=True)`` of the whole operator with the kernels: one graph
+    (no break), holding the three custom ops, with the eager output."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    m = QuadTreeAttention(16, 2, attn_type='B', num_levels=3, topk=4, use_triton=True)
+    x = torch.randn(2, 8 * 12, 16)
+    out = torch.compile(m, backend=backend, fullgraph=True)(x, (8, 12))
+    assert len(graphs) == 1
+    ops = [str(n.target) for n in graphs[0].graph.nodes if 'flatten_mm' in str(n.target)]
+    assert ops == ['flatten_mm.qt_gathered_scores', 'flatten_mm.qt_gathered_messages',
+                   'flatten_mm.qt_final_level_b'], ops
+    assert torch.equal(out, m(x, (8, 12)))
+
+
+_AOT_SCRIPT = r'''
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flatten_mm.models.layers import quadtree_attention_triton as qt
+assert not qt.INTERPRETED
+done = []
+for dtype in (torch.float32, torch.bfloat16):
+    for name, fn, sig, const, options in qt.aot_specs(128, 32, dtype):
+        c = triton.compile(ASTSource(fn, sig, const), target=GPUTarget('cuda', 90, 32),
+                           options=options)
+        done.append([name, str(dtype), len(c.asm['cubin'])])
+print(json.dumps(done))
+'''
+
+
+def test_kernels_compile_for_sm90_without_gpu(tmp_path):
+    """The six launches (scores / messages / fused final level, forward / backward), fp32
+    and bf16, as
+    QuadTree-B-b0's levels make them (4K = 128 candidates, d = 32), compile to sm_90
+    cubins (not interpreted: a subprocess without TRITON_INTERPRET, empty kernel cache).
+    What the interpreter cannot catch (typing / layout errors of the compiled language)
+    fails here."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    env['TRITON_CACHE_DIR'] = str(tmp_path / 'cache')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, '-c', _AOT_SCRIPT], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    done = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(done) == 12 and all(n > 0 for _, _, n in done), done
