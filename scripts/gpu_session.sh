@@ -11,8 +11,9 @@
 # (estimates for an H200 from docs/benchmarks/cuda_*.csv: a batch-8 training step is ~3x
 # the forward, e.g. ~0.3 s per round for FLatten-PVTv2-b0 + two PVTv2-b0 at 1024²):
 #   1. environment (nvidia-smi, versions, commit) -> environment.txt          ~5 s
-#   2. tools/analysis/gpu_kernel_check.py --out $OUT/kernels --compile        <=120 s
-#      (when present; SMOKE: --help only, it needs CUDA)
+#   2. tools/analysis/gpu_kernel_check.py --out $OUT/kernels --compile        <=240 s
+#      (when present; SMOKE: --help only, it needs CUDA): FLA and QuadTree kernels,
+#      each with one torch.compile case (QuadTree: a 3-level module, time not measured)
 #   3. profile tables, FLatten-PVTv2-b0 / FLatten-Swin-T / QuadTree-B-b0 and
 #      their softmax counterparts, batch 8, 512², fp32 then bf16              ~40 s each
 #   4. fast paths vs reference paths (benchmark --check)                      ~20 s
@@ -24,7 +25,8 @@
 #      of COMPILE_FAMILIES, fp32 then bf16): compiling costs minutes (QuadTree's
 #      forward alone took 343 s, hence not in the default)                  ~90-200 s each
 #   8. tables.md: README-style tables regenerated from every CSV written     ~10 s
-# Estimated ~8.5 min up to step 6 (kernel check ~60 s assumed); bf16 with the kernels off
+# Estimated ~8.5 min up to step 6 (kernel check ~60 s assumed for FLA; QuadTree adds an
+# unmeasured ~1-2 min); bf16 with the kernels off
 # runs after step 6, step 7 only in what is left. The budget cuts what does not fit (the
 # rows measured so far are saved after every pair and size); ONLY=name,name runs just
 # those steps (a second session picks up what was cut: see $OUT/steps.tsv).
@@ -164,7 +166,7 @@ if [ -f tools/analysis/gpu_kernel_check.py ]; then
     if [ "$SMOKE" = 1 ]; then  # its CPU behaviour is its own business: import + CLI only
         step kernel_check 0 60 "$PYTHON" tools/analysis/gpu_kernel_check.py --help
     else
-        step kernel_check 30 120 "$PYTHON" tools/analysis/gpu_kernel_check.py --out "$OUT/kernels" \
+        step kernel_check 30 240 "$PYTHON" tools/analysis/gpu_kernel_check.py --out "$OUT/kernels" \
             --compile
     fi
 elif [ -z "$ONLY" ] || [[ ",$ONLY," == *",kernel_check,"* ]]; then

@@ -331,8 +331,9 @@ def test_gpu_check_tool_arguments_and_refusal(tmp_path, monkeypatch, capsys):
     tool = _load_tool()
     args = tool.parse_args(['--out', str(tmp_path)])
     assert (args.batch, args.dtypes, args.kernels, args.device) == (8, ['fp32', 'bf16'],
-                                                                    ['fla'], 'cuda')
-    assert args.cases == list(tool.DEFAULT_CASES) and set(args.cases) <= set(tool.FLA_CASES)
+                                                                    ['fla', 'quadtree'], 'cuda')
+    assert tool.CASES_OF['fla'](args) == list(tool.DEFAULT_CASES)
+    assert set(tool.DEFAULT_CASES) <= set(tool.FLA_CASES)
     with pytest.raises(SystemExit):
         tool.parse_args(['--out', str(tmp_path), '--cases', 'swin-t-stage1,nope'])
     assert 'nope' in capsys.readouterr().err

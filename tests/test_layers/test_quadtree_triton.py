@@ -448,3 +448,240 @@ def test_kernels_compile_for_sm90_without_gpu(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     done = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(done) == 12 and all(n > 0 for _, _, n in done), done
+
+
+# --------------------------------------------------------------------------- GPU check tool
+def _load_tool():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))), 'tools', 'analysis', 'gpu_kernel_check.py')
+    spec = importlib.util.spec_from_file_location('gpu_kernel_check', path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.mark.parametrize('arch', ['b0', 'b1'])
+def test_gpu_check_tool_cases_are_the_backbone_stages(arch):
+    """``QT_CASES`` holds, for every stage with finer levels, what the built backbone
+    declares: map side at 512² (``out_strides``), channels, and its attention's heads,
+    levels and top-k."""
+    from flatten_mm.models.backbones import QuadTreePVTv2
+    tool = _load_tool()
+    m = QuadTreePVTv2(arch=arch)
+    expected = {}
+    for i, (stride, C) in enumerate(zip(m.out_strides, m.out_channels)):
+        attn = m.stages[i].blocks[0].attn
+        if attn.num_levels > 1:
+            expected[f'qt-{arch}-stage{i + 1}'] = (512 // stride, C, attn.num_heads,
+                                                   attn.num_levels, attn.topks[0])
+    got = {k: v for k, v in tool.QT_CASES.items() if k.startswith(f'qt-{arch}-')}
+    assert got == expected and len(got) == 3
+    assert {C // h for _, C, h, _, _ in got.values()} == ({32} if arch == 'b0' else {64})
+    assert set(tool.QT_DEFAULT_CASES) <= set(tool.QT_CASES)
+    assert {tool.QT_CASES[c][1] // tool.QT_CASES[c][2] for c in tool.QT_DEFAULT_CASES} == {32, 64}
+
+
+def test_gpu_check_tool_quadtree_arguments(tmp_path, capsys):
+    tool = _load_tool()
+    args = tool.parse_args(['--out', str(tmp_path)])
+    assert args.kernels == ['fla', 'quadtree']
+    assert tool.CASES_OF['quadtree'](args) == list(tool.QT_DEFAULT_CASES)
+    assert tool.CASES_OF['fla'](args) == list(tool.DEFAULT_CASES)
+    assert 'qt-b0-stage2' in args.compile_cases and args.margin_threshold == 1e-5
+    args = tool.parse_args(['--out', str(tmp_path), '--cases', 'swin-t-stage1'])
+    assert tool.CASES_OF['quadtree'](args) == []  # quadtree then checks nothing
+    with pytest.raises(SystemExit):  # but a kernel without any of its cases is refused
+        tool.parse_args(['--out', str(tmp_path), '--kernels', 'quadtree', '--cases',
+                         'swin-t-stage1'])
+    assert 'none of --cases' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--out', str(tmp_path), '--kernels', 'quadtree,nope'])
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--out', str(tmp_path), '--margin-threshold', '-1'])
+
+
+def _tiny_args(tool, monkeypatch, *extra):
+    monkeypatch.setitem(tool.QT_CASES, 'tiny', (8, 16, 2, 3, 2))  # 3 levels, 8 candidates
+    args = tool.parse_args(['--out', 'unused', '--kernels', 'quadtree', '--cases', 'tiny',
+                            '--batch', '1', '--no-timing', *extra])
+    args.device = 'cpu'
+    return args
+
+
+def test_gpu_check_tool_quadtree_check_runs_interpreted(monkeypatch):
+    """The tool's QuadTree check on CPU (interpreted kernels, a tiny 3-level case): the
+    three ops' outputs and gradients in fp32 and bf16 pass against float64, the core A / B
+    comparison covers every result with no near tie at this size, and the op shapes are
+    the case's."""
+    tool = _load_tool()
+    args = _tiny_args(tool, monkeypatch)
+    names = {f'{op}.{r}' for op, rs in (('scores', 'out dq dk'), ('messages', 'out dw dv'),
+                                        ('final_level_b', 'out dq dk dv'))
+             for r in rs.split()}
+    for dtype in ('fp32', 'bf16'):
+        rec = tool.check_quadtree('tiny', dtype, args)
+        assert set(rec['errors']) == names and rec['passed'], rec
+        assert (rec['parents'], rec['keys'], rec['candidates'], rec['head_dim']) == (16, 64, 8, 8)
+        assert ('core' in rec) == (dtype == 'fp32')  # the core once, in the first dtype
+    for attn_type, c in tool.check_quadtree('tiny', 'fp32', args)['core'].items():
+        assert c['passed'] and c['near_tie_tokens'] == 0 and not c['skipped'], c
+        assert c['min_margin'] > args.margin_threshold
+        assert set(c['max_rel']) == {f'd{x}{i}' for x in 'qkv' for i in range(3)} | {'out'}
+
+
+def test_gpu_check_tool_quadtree_near_ties_are_masked_and_recorded(monkeypatch):
+    """A margin threshold above the smallest margins: the tokens below near ties are left
+    out of the output / query-gradient comparison (counted), key / value gradients are
+    skipped and named, and the rest still passes."""
+    tool = _load_tool()
+    args = _tiny_args(tool, monkeypatch, '--margin-threshold', '0.3')
+    for c in tool.check_quadtree('tiny', 'fp32', args)['core'].values():
+        assert 0 < c['near_tie_tokens'] < c['tokens'] == 2 * 64, c
+        assert c['skipped'] == [f'd{x}{i}' for x in 'kv' for i in range(3)]
+        assert set(c['max_rel']) == {'out', 'dq0', 'dq1', 'dq2'} and c['passed']
+        assert 'skip_reason' in c
+
+
+def test_gpu_check_tool_quadtree_check_fails_a_broken_kernel(monkeypatch):
+    """The check is evidence: a fused final level off by 1e-4 of its largest value fails
+    the op comparison (fp32 and bf16 alike) and the core B comparison."""
+    tool = _load_tool()
+    args = _tiny_args(tool, monkeypatch)
+    real = qt.final_level_b_triton
+
+    def broken(q, k, v, index):
+        out = real(q, k, v, index)
+        return out + 1e-4 * out.detach().abs().max()
+
+    monkeypatch.setattr(qt, 'final_level_b_triton', broken)
+    rec = tool.check_quadtree('tiny', 'fp32', args)
+    assert not rec['passed']
+    assert not rec['errors']['final_level_b.out']['passed']
+    assert rec['errors']['scores.out']['passed'] and rec['errors']['final_level_b.dk']['passed']
+    assert not rec['core']['B']['passed'] and rec['core']['A']['passed']
+    assert not tool.check_quadtree('tiny', 'bf16', args)['errors']['final_level_b.out']['passed']
+
+
+def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
+    """``gpu_kernel_check.py --aot 90 --kernels quadtree`` for QuadTree-B-b1's first stage
+    (4K = 128 candidates, d = 64), fp32: the six launches compile to sm_90 cubins with
+    Triton's bundled ptxas (not interpreted, empty kernel cache), registers and spills
+    recorded, and the d = 64 launch configs hold (``_gathered_warps``: 32 warps for the
+    scatter launches; messages backward without spills, scores backward 92 B instead of
+    the 260 B of 8 warps)."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    env['TRITON_CACHE_DIR'] = str(tmp_path / 'cache')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, 'tools/analysis/gpu_kernel_check.py', '--aot', '90',
+                          '--kernels', 'quadtree', '--cases', 'qt-b1-stage1', '--dtypes', 'fp32',
+                          '--out', str(tmp_path)], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((tmp_path / 'gpu_kernel_aot.json').read_text())
+    assert report['passed'] and report['target'] == 'cuda sm_90'
+    recs = {r['function']: r for r in report['records']}
+    assert sorted(recs) == sorted(['scores', 'scores_backward', 'messages', 'messages_backward',
+                                   'final_level_b', 'final_level_b_backward'])
+    for r in recs.values():
+        assert r['kernel'] == 'quadtree' and r['cubin_bytes'] > 0, r
+        assert r['registers'] is not None and r['spill_store_bytes'] is not None, r
+        assert r['constexprs']['BLOCK_D'] == 64 and r['constexprs']['BLOCK_K'] == 128
+    for name in ('scores_backward', 'messages_backward'):
+        assert recs[name]['options']['num_warps'] == 32
+    assert recs['messages_backward']['spill_store_bytes'] == 0
+    assert recs['scores_backward']['spill_store_bytes'] < 260
+    for name in ('scores', 'messages', 'final_level_b'):  # the forward launches do not spill
+        assert recs[name]['spill_store_bytes'] == 0, recs[name]
+
+
+def test_gpu_check_tool_quadtree_compile_and_timing_paths(monkeypatch):
+    """The ``--compile`` and timing parts of the QuadTree check, on CPU: the module check
+    under ``torch.compile(fullgraph=True)`` (here with the ``aot_eager`` backend instead
+    of inductor, and the CPU PyTorch path: the interpreter cannot be compiled; the GPU run
+    uses inductor and the kernels) matches eager, and every op and the core are timed for
+    both paths (CUDA events replaced by a counter)."""
+    tool = _load_tool()
+    args = _tiny_args(tool, monkeypatch, '--compile', '--compile-cases', 'tiny')
+    args.no_timing = False
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda m, backend, fullgraph: real_compile(
+        m, backend='aot_eager', fullgraph=fullgraph))
+    timed = []
+    monkeypatch.setattr(tool, '_median_ms', lambda fn, reps: timed.append(fn()) or 1.0)
+    rec = tool.check_quadtree('tiny', 'fp32', args)
+    assert rec['passed'] and rec['compile']['passed'], rec.get('compile')
+    assert rec['compile']['near_tie_tokens'] == 0 and 'skipped' not in rec['compile']
+    assert set(rec['compile']['max_rel_vs_eager']) == {'out', 'gradients'}
+    assert max(rec['compile']['max_rel_vs_eager'].values()) <= args.tol
+    assert set(rec['ms']) == {'scores', 'messages', 'final_level_b', 'core_b'}
+    for t in rec['ms'].values():
+        assert set(t) == {'kernels', 'pytorch'}
+        assert all(set(v) == {'forward', 'forward_backward'} for v in t.values())
+    assert len(timed) == 4 * 2 * 2
+    rec = tool.check_quadtree('tiny', 'bf16', args)  # not the first dtype: ops only
+    assert 'compile' not in rec and 'core_b' not in rec['ms'] and rec['passed']
+    args.margin_threshold = 1e-3  # near ties: the output outside them, no gradients
+    c = tool._qt_compile_check('tiny', args)
+    assert 0 < c['near_tie_tokens'] < c['tokens'] == 64 and c['skipped'] == ['gradients']
+    assert set(c['max_rel_vs_eager']) == {'out'} and c['passed'], c
+
+
+def test_gpu_check_tool_near_tie_masks_cover_the_descendants():
+    """A near tie of one query at level ``i`` masks exactly its ``2**(j-i)``-square block
+    of descendants at every level ``j >= i`` (and nothing coarser); masks of two levels
+    are united."""
+    tool = _load_tool()
+    tie0 = torch.zeros(1, 2, 2, 2, dtype=torch.bool)
+    tie0[0, 1, 1, 0] = True  # head 1, row 1, column 0 of the 2x2 level
+    tie1 = torch.zeros(1, 2, 4, 4, dtype=torch.bool)
+    tie1[0, 0, 0, 3] = True  # head 0, row 0, column 3 of the 4x4 level
+    masks = tool._tie_masks([(0, tie0), (1, tie1)], 3, 8)
+    assert [m.shape for m in masks] == [(1, 2, 4), (1, 2, 16), (1, 2, 64)]
+    expected = torch.zeros(1, 2, 8, 8, dtype=torch.bool)
+    expected[0, 1, 4:8, 0:4] = True
+    expected[0, 0, 0:2, 6:8] = True
+    assert torch.equal(masks[2], expected.flatten(-2))
+    assert torch.equal(masks[0], tie0.flatten(-2))
+    assert int(masks[1].sum()) == 4 + 1
+    # variant A's query gradients: the whole quad-trees holding a near tie
+    trees = tool._tie_masks([(0, tie0), (1, tie1)], 3, 8, whole_trees=True)
+    expected[0, 0, 0:4, 4:8] = True  # tie1's level-0 ancestor: head 0, row 0, column 1
+    assert torch.equal(trees[2], expected.flatten(-2))
+    assert int(trees[0].sum()) == 2 and int(trees[1].sum()) == 8
+
+
+def test_gpu_check_tool_main_writes_quadtree_records(tmp_path, monkeypatch, capsys):
+    """``main`` end to end on CPU (CUDA faked, interpreted kernels, tiny case, two
+    dtypes): one JSON record per case and dtype, passing, with its summary line; a
+    broken kernel makes the exit status 1 and the record say which result failed."""
+    import json
+    tool = _load_tool()
+    monkeypatch.setitem(tool.QT_CASES, 'tiny', (8, 16, 2, 3, 2))
+    real_parse = tool.parse_args
+
+    def parse_on_cpu(argv=None):
+        args = real_parse(argv)
+        args.device = 'cpu'
+        return args
+
+    monkeypatch.setattr(tool, 'parse_args', parse_on_cpu)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *a: 'cpu (test)')
+    argv = ['--out', str(tmp_path), '--kernels', 'quadtree', '--cases', 'tiny', '--batch', '1',
+            '--no-timing']
+    assert tool.main(argv) == 0
+    report = json.loads((tmp_path / 'gpu_kernel_check.json').read_text())
+    assert report['passed'] and [(r['case'], r['dtype']) for r in report['records']] == [
+        ('tiny', 'fp32'), ('tiny', 'bf16')]
+    assert 'core-A=' in capsys.readouterr().out
+    real = qt.gathered_messages_triton
+    monkeypatch.setattr(qt, 'gathered_messages_triton',
+                        lambda w, v, i: real(w, v, i) * (1 + 1e-3))
+    assert tool.main(argv) == 1
+    report = json.loads((tmp_path / 'gpu_kernel_check.json').read_text())
+    bad = {k for r in report['records'] for k, e in r['errors'].items() if not e['passed']}
+    assert 'messages.out' in bad and not any(k.startswith('scores') for k in bad)

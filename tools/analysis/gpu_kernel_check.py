@@ -3,10 +3,12 @@
     python tools/analysis/gpu_kernel_check.py --out work_dirs/gpu_check
     python tools/analysis/gpu_kernel_check.py --out DIR --batch 8 --dtypes fp32,bf16 --compile
 
-For each kernel (today: ``fla``, the FLA core of ``focused_linear_attention_triton``) and
-each case (``FLA_CASES``: the token maps / widths / heads / ``sr_ratio`` of the FLatten
-backbones' global FLA stages at a 512² input, up to 128² tokens; ``DEFAULT_CASES`` unless
-``--cases``) and dtype: forward and the gradients of
+For each kernel (``fla``, the FLA core of ``focused_linear_attention_triton``, and
+``quadtree``, the finer-level kernels of ``quadtree_attention_triton``; ``--kernels``) and
+each of its cases (``FLA_CASES``: the token maps / widths / heads / ``sr_ratio`` of the
+FLatten backbones' global FLA stages at a 512² input, up to 128² tokens; ``QT_CASES``: the
+QuadTree-PVTv2 stages with finer levels, see ``check_quadtree``; ``DEFAULT_CASES`` +
+``QT_DEFAULT_CASES`` unless ``--cases``) and dtype. FLA: forward and the gradients of
 ``q, k, v, scale, k_pos`` by the kernels and by the PyTorch path, both against the float64
 formula on the same (rounded) inputs, with TF32 off. fp32 passes when the kernels' largest
 error (relative to the largest reference value) is within ``--tol`` or twice the PyTorch
@@ -15,7 +17,18 @@ of the largest value (the kernels accumulate in float32). With ``--compile`` the
 also run under ``torch.compile`` (inductor, ``fullgraph=True``; the ``--compile-cases`` in
 the first of ``--dtypes``) and must match eager. Unless
 ``--no-timing``, the median times of forward and forward + backward of kernels, PyTorch path
-and plain ReLU linear attention of the same shape are recorded (CUDA events).
+and plain ReLU linear attention of the same shape are recorded (CUDA events). QuadTree: the
+same for the three ops (``qt_gathered_scores``, ``qt_gathered_messages``,
+``qt_final_level_b``) on the finest level of the case, plus ``quadtree_attention_core`` A and
+B with ``use_triton`` True vs False (first of ``--dtypes``; float32 maths, within
+``--tol``): near ties, top-k selections whose margin is below ``--margin-threshold`` and may
+flip between two paths, are left out of the comparison where they reach (the tokens below
+them; all key / value gradients) and recorded, see ``_qt_core_check``. ``--compile``: the
+``QuadTreeAttention`` module (float32, same near-tie rule) against eager. Timings: the ops
+and the core (B).
+
+``--aot`` also compiles the QuadTree kernels (``quadtree_attention_triton.aot_specs``) of
+each selected QuadTree case and dtype.
 
 Writes ``<out>/gpu_kernel_check.json`` (device, versions, date, one record per case;
 rewritten after every case, so a run cut short keeps what it checked; a case that raises is
@@ -28,12 +41,13 @@ and records registers and spills per kernel (``<out>/gpu_kernel_aot.json``; exit
 kernel fails to compile). Run it without ``TRITON_INTERPRET``.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import os.path as osp
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
 
@@ -55,7 +69,34 @@ FLA_CASES = {
 #: checked by default (distinct kernel specialisations: heads 1 / 3 / 8, head dim 32 / 64;
 #: about 40 Triton compilations, so that a run stays within ~2 min on a fresh machine)
 DEFAULT_CASES = ('pvt-v2-b0-stage1', 'swin-t-stage1', 'pvt-v2-b0-stage4', 'pvt-t-stage1')
-KERNELS = ('fla', )
+
+
+def _qt_cases() -> Dict[str, tuple]:
+    """``name -> (map side, C, heads, levels, topk)`` of every QuadTree-PVTv2 stage with
+    finer levels at a 512² input, from the backbone's ``arch_zoo`` and default attention
+    (stage ``i`` has stride ``4 * 2**i``): b0 (head dim 32) and b1 (64, as b2-b4)."""
+    from flatten_mm.models.backbones.quadtree_pvt import QuadTreePVTv2
+    cases = {}
+    for arch in ('b0', 'b1'):
+        spec = QuadTreePVTv2.arch_zoo[arch]
+        for i, (C, h, cfg) in enumerate(zip(spec['embed_dims'], spec['num_heads'],
+                                            QuadTreePVTv2.default_attn_cfg)):
+            if cfg['num_levels'] > 1:
+                cases[f'qt-{arch}-stage{i + 1}'] = (512 // (4 * 2**i), C, h,
+                                                    cfg['num_levels'], cfg['topk'])
+    return cases
+
+
+#: name -> (map side, C, heads, levels, topk): QuadTree-PVTv2 stages at a 512² input
+QT_CASES = _qt_cases()
+#: checked by default: b0 stage 2 (3 levels: all three ops, d = 32, 2 heads) and b1 stage 1
+#: (4 levels, d = 64); 2 x 6 kernel specialisations per dtype
+QT_DEFAULT_CASES = ('qt-b0-stage2', 'qt-b1-stage1')
+KERNELS = ('fla', 'quadtree')
+TABLES = {'fla': FLA_CASES, 'quadtree': QT_CASES}
+#: kernel -> the selected cases (``args.cases``) of its table, in order
+CASES_OF = {k: (lambda args, t=t: [c for c in args.cases if c in t])
+            for k, t in TABLES.items()}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -63,31 +104,44 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--out', required=True, help='output directory for the JSON')
     parser.add_argument('--kernels', default=','.join(KERNELS),
                         help=f'comma-separated subset of {",".join(KERNELS)}')
-    parser.add_argument('--cases', default=','.join(DEFAULT_CASES),
-                        help=f'comma-separated subset of {",".join(FLA_CASES)}')
+    parser.add_argument('--cases', default=','.join(DEFAULT_CASES + QT_DEFAULT_CASES),
+                        help=f'comma-separated subset of {",".join(_all_cases())} (each kernel '
+                        'checks the cases of its table)')
     parser.add_argument('--batch', type=int, default=8)
     parser.add_argument('--dtypes', default='fp32,bf16', help='comma-separated: fp32,bf16,fp16')
     parser.add_argument('--tol', type=float, default=1e-5,
                         help='error bound relative to the largest reference value')
     parser.add_argument('--compile', action='store_true',
                         help='also run the kernels under torch.compile (inductor)')
-    parser.add_argument('--compile-cases', default='swin-t-stage1',
+    parser.add_argument('--compile-cases', default='swin-t-stage1,qt-b0-stage2',
                         help='the cases that --compile compiles, in the first of --dtypes '
                         '(each compilation takes ~10-30 s)')
     parser.add_argument('--no-timing', action='store_true')
     parser.add_argument('--reps', type=int, default=20, help='timed repetitions')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--margin-threshold', type=float, default=1e-5,
+                        help='QuadTree core / compile: below this relative top-k margin '
+                        '(k-th vs (k+1)-th weight) a selection may flip between the paths; '
+                        'what it reaches is left out of the comparison and recorded')
     parser.add_argument('--aot', type=int, metavar='SM', default=None,
                         help='compile only, for compute capability SM (e.g. 90); no GPU needed')
     args = parser.parse_args(argv)
     args.kernels = _choices(args.kernels, KERNELS, 'kernel', parser)
-    args.cases = _choices(args.cases, FLA_CASES, 'case', parser)
+    args.cases = _choices(args.cases, _all_cases(), 'case', parser)
     args.dtypes = _choices(args.dtypes, DTYPES, 'dtype', parser)
-    args.compile_cases = _choices(args.compile_cases, FLA_CASES, 'case', parser)
+    args.compile_cases = _choices(args.compile_cases, _all_cases(), 'case', parser)
+    # a kernel none of whose cases is selected is not checked; none at all is an error
+    if not any(CASES_OF[kernel](args) for kernel in args.kernels):
+        parser.error(f'none of --cases {",".join(args.cases)} belongs to --kernels '
+                     f'{",".join(args.kernels)}')
     args.device = 'cuda'
-    if args.batch < 1 or args.reps < 1 or not args.tol > 0:
-        parser.error('--batch and --reps must be >= 1 and --tol > 0')
+    if args.batch < 1 or args.reps < 1 or not args.tol > 0 or args.margin_threshold < 0:
+        parser.error('--batch and --reps must be >= 1, --tol > 0, --margin-threshold >= 0')
     return args
+
+
+def _all_cases() -> Dict[str, tuple]:
+    return {name: spec for table in TABLES.values() for name, spec in table.items()}
 
 
 def _choices(text: str, allowed, what: str, parser) -> List[str]:
@@ -205,7 +259,308 @@ def check_fla(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
     return rec
 
 
-CHECKS = {'fla': (check_fla, lambda args: args.cases)}
+def _grad_run(fn, inputs, grads) -> List[torch.Tensor]:
+    """Outputs of ``fn(*inputs)`` (a tensor or a tuple) and the gradients of ``inputs``
+    for output gradients ``grads``, all detached."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    gs = torch.autograd.grad(outs, leaves, [g.to(o.dtype) for o, g in zip(outs, grads)])
+    return [o.detach() for o in outs] + [x.detach() for x in gs]
+
+
+def _judge(kern: torch.Tensor, torch_path: torch.Tensor, ref: torch.Tensor, dtype_name: str,
+           tol: float) -> Dict:
+    """The FLA pass rule for one result: float32 results within ``tol`` or twice the
+    PyTorch path's error; bf16 / fp16 results within one rounding plus ``tol``."""
+    e = dict(kernels=_max_rel(kern, ref), pytorch=_max_rel(torch_path, ref),
+             finite=bool(torch.isfinite(kern).all()))
+    if kern.dtype == torch.float32:
+        ok = e['kernels'] <= max(tol, 2 * e['pytorch'])
+    else:
+        e['rounding_excess'] = _within_rounding(kern, ref, UNIT_ROUNDOFF[dtype_name], tol)
+        ok = e['rounding_excess'] <= 0
+    e['passed'] = bool(ok and e['finite'])
+    return e
+
+
+def _qt_level_inputs(case: str, dtype: torch.dtype, args: argparse.Namespace) -> Dict:
+    """The finest level of a QuadTree case as the core hands it to the ops: child queries
+    ``(B, h, L, 4, d)`` grouped by parent (the core's strides, pre-scaled by ``d**-0.5``),
+    keys / values ``(B, h, M, d)``, softmax weights ``(B, h, L, 4, 4K)``, output
+    gradients (all rounded to ``dtype``; ``K = topk``), and the candidates ``(B, h, L,
+    4K)``: the 4 children of ``topk`` distinct random parent-level keys per parent
+    (``_child_candidates``, as the core builds them)."""
+    from flatten_mm.models.layers import quadtree_attention as qa
+    side, C, h, _, topk = QT_CASES[case]
+    B, d, ps = args.batch, C // h, side // 2
+    L, M = ps * ps, side * side
+    dev = getattr(args, 'device', 'cuda')
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen)
+
+    prev_idx = torch.rand(B, h, L, L, device=dev, generator=gen).topk(topk, dim=-1).indices
+    cand = qa._child_candidates(prev_idx, ps)
+    q = (qa._group_children(rand(B, C, side, side), h) * d**-0.5).to(dtype)
+    k = qa._to_heads(rand(B, C, side, side), h).to(dtype)
+    v = qa._to_heads(rand(B, C, side, side), h).to(dtype)
+    w = torch.softmax(rand(B, h, L, 4, 4 * topk), dim=-1).to(dtype)
+    return dict(q=q, k=k, v=v, w=w, cand=cand, g_scores=rand(B, h, L, 4, 4 * topk).to(dtype),
+                g_msg=rand(B, h, L, 4, d).to(dtype), batch=B, heads=h, head_dim=d, parents=L,
+                keys=M, candidates=4 * topk)
+
+
+def _qt_ops(cand: torch.Tensor) -> Dict:
+    """op -> (input names, output-gradient name, kernels fn, PyTorch path fn)."""
+    from flatten_mm.models.layers import quadtree_attention as qa
+    from flatten_mm.models.layers import quadtree_attention_triton as qt
+
+    def final_torch(q, k, v):
+        s = qa.gathered_scores(q, k, cand, use_triton=False)
+        return qa.gathered_messages(torch.softmax(s, dim=-1), v, cand, use_triton=False)
+
+    return {
+        'scores': (('q', 'k'), 'g_scores',
+                   lambda q, k: qa.gathered_scores(q, k, cand, use_triton=True),
+                   lambda q, k: qa.gathered_scores(q, k, cand, use_triton=False)),
+        'messages': (('w', 'v'), 'g_msg',
+                     lambda w, v: qa.gathered_messages(w, v, cand, use_triton=True),
+                     lambda w, v: qa.gathered_messages(w, v, cand, use_triton=False)),
+        'final_level_b': (('q', 'k', 'v'), 'g_msg',
+                          lambda q, k, v: qt.final_level_b_triton(q, k, v, cand), final_torch),
+    }
+
+
+def _qt_pyramids(case: str, args: argparse.Namespace, seed: int) -> Tuple[list, list, list]:
+    side, C, _, S, _ = QT_CASES[case]
+    dev = getattr(args, 'device', 'cuda')
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return tuple([torch.randn(args.batch, C, side >> (S - 1 - i), side >> (S - 1 - i),
+                              device=dev, generator=gen) for i in range(S)] for _ in range(3))
+
+
+@contextlib.contextmanager
+def _near_ties(ties: list, threshold: float, S: int, side: int) -> Iterator[None]:
+    """Inside the block every top-k of ``quadtree_attention_core`` (``_record_margin``,
+    wrapped; a margin recorder must be set) appends ``(level, (B, h, side_i, side_i)
+    booleans)`` to ``ties``: the queries whose relative margin is below ``threshold``."""
+    from flatten_mm.models.layers import quadtree_attention as qa
+    real_record = qa._record_margin
+
+    def record(recorder, level, probs, k):
+        real_record(recorder, level, probs, k)
+        top = probs.detach().topk(k + 1, dim=-1).values
+        tie = (top[..., k - 1] - top[..., k]) < threshold * top[..., k - 1]
+        sl = side >> (S - 1 - level)
+        if level > 0:  # (B, h, L, 4) grouped by parent -> raster
+            tie = qa._children_to_raster(tie[..., None], (sl, sl))[..., 0]
+        ties.append((level, tie.reshape(tie.shape[0], tie.shape[1], sl, sl)))
+
+    qa._record_margin = record
+    try:
+        yield
+    finally:
+        qa._record_margin = real_record
+
+
+def _tie_masks(recorded: list, S: int, side: int,
+               whole_trees: bool = False) -> List[torch.Tensor]:
+    """Per level ``j``, ``(B, h, side_j**2)`` booleans: the query tokens of level ``j`` whose
+    own or whose ancestors' top-k had a margin below the threshold (``recorded``: ``(level,
+    (B, h, side_i, side_i) near-tie map)`` pairs from ``_near_ties``). ``whole_trees``:
+    every token of the quad-tree (level-0 query and all its descendants) holding a near tie
+    (variant A's gradients: a child's selection reaches its ancestors through the weights
+    ``prev_score``)."""
+    if whole_trees:  # each tie -> its level-0 ancestor
+        roots = [(0, torch.nn.functional.max_pool2d(tie.float(), 2**i).bool())
+                 for i, tie in recorded]
+        recorded = roots
+    masks = []
+    for j in range(S):
+        m = None
+        for i, tie in recorded:
+            if i > j:
+                continue
+            r = 2**(j - i)
+            up = tie.repeat_interleave(r, -2).repeat_interleave(r, -1).flatten(-2)
+            m = up if m is None else m | up
+        masks.append(m)
+    return masks
+
+
+def _qt_core_check(case: str, attn_type: str, args: argparse.Namespace) -> Dict:
+    """``quadtree_attention_core`` with ``use_triton=True`` vs ``False`` on the case's
+    pyramids (float32): output and the gradients of every pyramid map.
+
+    Near ties: a top-k whose k-th and (k+1)-th weights are within ``--margin-threshold``
+    (relative) may select differently in the two paths. Every top-k's per-query margins are
+    read (``quadtree_attention._record_margin``, wrapped); the output and the query
+    gradients are compared except at the tokens whose own or ancestors' top-k was such a
+    near tie (their number is recorded; the output of a token depends only on its
+    ancestors' selections; A's query gradients: except in the whole quad-trees holding a
+    near tie, since a selection also reaches the ancestors through ``prev_score``), the key
+    / value gradients only when there is no near tie at all (else recorded as
+    ``skipped``). At a 512² input with batch 8, random inputs have
+    near ties (smallest margins ~1e-6 among ~10^4-10^5 top-k rows)."""
+    from flatten_mm.models.layers import quadtree_attention as qa
+    side, C, h, S, topk = QT_CASES[case]
+    dev = getattr(args, 'device', 'cuda')
+    qs, ks, vs = _qt_pyramids(case, args, args.seed + 1)
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 2)
+    weights = lepes = None
+    if attn_type == 'B':
+        weights = torch.softmax(torch.randn(S, device=dev, generator=gen), 0)
+        lepes = [torch.randn(v.shape, device=dev, generator=gen) for v in vs]
+    g = torch.randn(args.batch, h, side * side, C // h, device=dev, generator=gen)
+    margins, ties = [], []
+
+    def core(flag):
+        def fn(*maps):
+            return qa.quadtree_attention_core(
+                maps[:S], maps[S:2 * S], maps[2 * S:], h, (topk, ) * S, attn_type, weights,
+                lepes, margin_recorder=lambda lvl, m: margins.append(m), use_triton=flag)
+        return fn
+
+    leaves = qs + ks + vs
+    with _near_ties(ties, args.margin_threshold, S, side):
+        kern = _grad_run(core(True), leaves, [g])
+        torch_path = _grad_run(core(False), leaves, [g])
+    masks = _tie_masks(ties, S, side)  # (both runs' ties: union)
+    dq_masks = masks if attn_type == 'B' else _tie_masks(ties, S, side, whole_trees=True)
+    rec = dict(attn_type=attn_type, min_margin=min(margins),
+               finite=all(bool(torch.isfinite(t).all()) for t in kern),
+               near_tie_tokens=int(masks[-1].sum()), tokens=int(masks[-1].numel()),
+               max_rel={}, skipped=[])
+    # results as (B, h, tokens, X) rows of one level, with the level's near-tie mask
+    rows = [('out', S - 1, kern[0], torch_path[0])]
+    rows += [(f'dq{i}', i, qa._to_heads(kern[1 + i], h), qa._to_heads(torch_path[1 + i], h))
+             for i in range(S)]
+    for name, level, a, b in rows:
+        keep = ~(masks if name == 'out' else dq_masks)[level][..., None]
+        rec['max_rel'][name] = _max_rel(a * keep, (b * keep).double())
+    for i, name in enumerate([f'd{kind}{j}' for kind in 'kv' for j in range(S)]):
+        if rec['near_tie_tokens']:
+            rec['skipped'].append(name)
+        else:
+            rec['max_rel'][name] = _max_rel(kern[1 + S + i], torch_path[1 + S + i].double())
+    if rec['skipped']:
+        rec['skip_reason'] = (f'{rec["near_tie_tokens"]} of {rec["tokens"]} tokens below a '
+                              f'near-tie top-k (margin < {args.margin_threshold:.0e}): '
+                              'key / value gradients not compared')
+    rec['passed'] = rec['finite'] and max(rec['max_rel'].values()) <= args.tol
+    return rec
+
+
+def _qt_compile_check(case: str, args: argparse.Namespace) -> Dict:
+    """The ``QuadTreeAttention`` module (B, the case's levels / top-k, ``use_triton=None``
+    as the backbones run it) under ``torch.compile(fullgraph=True)`` against eager: output
+    and the gradients of input and parameters, float32. Near ties as in ``_qt_core_check``
+    (from the eager run): the output is compared outside the tokens below one, the
+    gradients only without any."""
+    from flatten_mm.models.layers import QuadTreeAttention
+    side, C, h, S, topk = QT_CASES[case]
+    dev = getattr(args, 'device', 'cuda')
+    torch.manual_seed(args.seed)
+    m = QuadTreeAttention(C, h, attn_type='B', num_levels=S, topk=topk).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 3)
+    x = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
+    g = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
+    params = [p for p in m.parameters()]
+
+    def run(fn):
+        xl = x.detach().requires_grad_(True)
+        out = fn(xl, (side, side))
+        grads = torch.autograd.grad(out, [xl] + params, g)
+        return [out.detach()] + [t.detach() for t in grads]
+
+    margins, ties = [], []
+    m.margin_recorder = lambda lvl, mg: margins.append(mg)
+    with _near_ties(ties, args.margin_threshold, S, side):
+        eager = run(m)
+    m.margin_recorder = None  # (a Python callback would break the graph)
+    torch._dynamo.reset()
+    comp = run(torch.compile(m, backend='inductor', fullgraph=True))
+    tie = _tie_masks(ties, S, side)[-1].any(1)  # (B, N): any head (proj mixes them)
+    rec = dict(dtype='fp32', min_margin=min(margins), near_tie_tokens=int(tie.sum()),
+               tokens=int(tie.numel()),
+               finite=all(bool(torch.isfinite(t).all()) for t in comp))
+    keep = ~tie[..., None]
+    rec['max_rel_vs_eager'] = {'out': _max_rel(comp[0] * keep, (eager[0] * keep).double())}
+    if rec['near_tie_tokens']:  # input / parameter gradients mix every token
+        rec['skipped'] = ['gradients']
+        rec['skip_reason'] = (f'{rec["near_tie_tokens"]} of {rec["tokens"]} tokens below a '
+                              f'near-tie top-k (margin < {args.margin_threshold:.0e})')
+    else:
+        rec['max_rel_vs_eager']['gradients'] = max(
+            _max_rel(a, b.double()) for a, b in zip(comp[1:], eager[1:]))
+    rec['passed'] = rec['finite'] and max(rec['max_rel_vs_eager'].values()) <= args.tol
+    return rec
+
+
+def check_quadtree(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
+    """One QuadTree case (``QT_CASES``) and dtype: the three ops on the case's finest level
+    (kernels and PyTorch path against float64 on the same rounded inputs, forward and
+    gradients, the FLA pass rule); for the first of ``--dtypes`` also the core A and B
+    kernels vs PyTorch path and (``--compile-cases``) the compiled module; timings."""
+    side, C, h, S, topk = QT_CASES[case]
+    dtype = DTYPES[dtype_name]
+    x = _qt_level_inputs(case, dtype, args)
+    ops = _qt_ops(x['cand'])
+    rec = dict(kernel='quadtree', case=case, dtype=dtype_name, batch=x['batch'], side=side,
+               channels=C, heads=h, head_dim=x['head_dim'], levels=S, topk=topk,
+               parents=x['parents'], keys=x['keys'], candidates=x['candidates'], errors={},
+               passed=True)
+    for op, (names, gname, kern_fn, torch_fn) in ops.items():
+        inputs = [x[n] for n in names]
+        ref = _grad_run(torch_fn, [t.double() for t in inputs], [x[gname].double()])
+        kern = _grad_run(kern_fn, inputs, [x[gname]])
+        tp = _grad_run(torch_fn, inputs, [x[gname]])
+        for res, a, t, r in zip(['out'] + [f'd{n}' for n in names], kern, tp, ref):
+            e = _judge(a, t, r, dtype_name, args.tol)
+            rec['errors'][f'{op}.{res}'] = e
+            rec['passed'] &= e['passed']
+        del ref, kern, tp
+    if dtype_name == args.dtypes[0]:
+        rec['core'] = {}
+        for attn_type in ('A', 'B'):
+            c = _qt_core_check(case, attn_type, args)
+            rec['core'][attn_type] = c
+            rec['passed'] &= c['passed']
+        if args.compile and case in args.compile_cases:
+            rec['compile'] = _qt_compile_check(case, args)
+            rec['passed'] &= rec['compile']['passed']
+    if not args.no_timing:
+        rec['ms'] = {}
+        for op, (names, gname, kern_fn, torch_fn) in ops.items():
+            leaves = [x[n].detach().requires_grad_(True) for n in names]
+            rec['ms'][op] = {}
+            for label, fn in (('kernels', kern_fn), ('pytorch', torch_fn)):
+                rec['ms'][op][label] = dict(
+                    forward=_median_ms(lambda: fn(*leaves), args.reps),
+                    forward_backward=_median_ms(
+                        lambda: fn(*leaves).backward(x[gname]), args.reps))
+        if dtype_name == args.dtypes[0]:
+            from flatten_mm.models.layers import quadtree_attention as qa
+            qs, ks, vs = _qt_pyramids(case, args, args.seed + 1)
+            leaves = [t.requires_grad_(True) for t in qs + ks + vs]
+            g = torch.randn(args.batch, h, side * side, C // h, device=qs[0].device)
+            rec['ms']['core_b'] = {}
+            for label, flag in (('kernels', True), ('pytorch', False)):
+                def core(flag=flag):
+                    return qa.quadtree_attention_core(leaves[:S], leaves[S:2 * S],
+                                                      leaves[2 * S:], h, (topk, ) * S, 'B',
+                                                      use_triton=flag)
+                rec['ms']['core_b'][label] = dict(
+                    forward=_median_ms(core, args.reps),
+                    forward_backward=_median_ms(lambda core=core: core().backward(g),
+                                                args.reps))
+    return rec
+
+
+CHECKS = {'fla': (check_fla, CASES_OF['fla']),
+          'quadtree': (check_quadtree, CASES_OF['quadtree'])}
 
 
 def _ptxas_stats(ptx: str, sm: int) -> Dict:
@@ -238,16 +593,24 @@ def aot_compile(args: argparse.Namespace) -> int:
     from triton.compiler import ASTSource
 
     from flatten_mm.models.layers import focused_linear_attention_triton as fla_triton
-    if fla_triton.INTERPRETED:
+    from flatten_mm.models.layers import quadtree_attention_triton as qt_triton
+    if fla_triton.INTERPRETED or qt_triton.INTERPRETED:
         print('gpu_kernel_check --aot: unset TRITON_INTERPRET (the kernels are interpreted)',
               file=sys.stderr)
         return 2
+
+    def specs(kernel: str, case: str, dtype: torch.dtype) -> list:
+        if kernel == 'fla':
+            _, C, h, _ = FLA_CASES[case]
+            return fla_triton.aot_specs(C, h, 3, dtype)
+        _, C, h, _, topk = QT_CASES[case]
+        return qt_triton.aot_specs(4 * topk, C // h, dtype)
+
     records = []
-    for case in args.cases:
-        _, C, h, _ = FLA_CASES[case]
+    for kernel, case in [(k, c) for k in args.kernels for c in CASES_OF[k](args)]:
         for dtype_name in args.dtypes:
-            for name, fn, sig, const, options in fla_triton.aot_specs(C, h, 3, DTYPES[dtype_name]):
-                rec = dict(kernel='fla', case=case, dtype=dtype_name, function=name,
+            for name, fn, sig, const, options in specs(kernel, case, DTYPES[dtype_name]):
+                rec = dict(kernel=kernel, case=case, dtype=dtype_name, function=name,
                            constexprs={k: v for k, v in const.items()}, options=options)
                 try:
                     compiled = triton.compile(ASTSource(fn, sig, const),
@@ -258,7 +621,7 @@ def aot_compile(args: argparse.Namespace) -> int:
                                **_ptxas_stats(compiled.asm['ptx'], args.aot))
                 except Exception as e:  # report every failing kernel, not just the first
                     rec.update(passed=False, error=f'{type(e).__name__}: {e}'[:2000])
-                print(f"{case:20s} {dtype_name:5s} {name:13s} "
+                print(f"{case:20s} {dtype_name:5s} {name:22s} "
                       + (f"ok   regs={rec['registers']} spills={rec['spill_store_bytes']}"
                          if rec['passed'] else 'FAIL ' + rec['error'].splitlines()[0]),
                       flush=True)
@@ -302,15 +665,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     rec = fn(case, dtype_name, args)
                     line = ' '.join(f"{k}={e['kernels']:.1e}/{e['pytorch']:.1e}"
                                     for k, e in rec['errors'].items())
-                    if 'ms' in rec:
+                    if 'ms' in rec and kernel == 'fla':
                         line += ' ms fwd+bwd kernels/pytorch/relu-linear ' + '/'.join(
                             f"{rec['ms'][k]['forward_backward']:.3f}"
                             for k in ('kernels', 'pytorch', 'relu_linear'))
+                    elif 'ms' in rec:
+                        line += ' ms fwd+bwd kernels/pytorch ' + ' '.join(
+                            f"{op}={t['kernels']['forward_backward']:.3f}/"
+                            f"{t['pytorch']['forward_backward']:.3f}"
+                            for op, t in rec['ms'].items())
+                    for a, c in rec.get('core', {}).items():
+                        line += f" core-{a}={max(c['max_rel'].values()):.1e}" + (
+                            f"({c['near_tie_tokens']}-tie)" if c['near_tie_tokens'] else '')
                 except Exception as e:  # recorded; the other cases still run
                     rec = dict(kernel=kernel, case=case, dtype=dtype_name, passed=False,
                                error=f'{type(e).__name__}: {e}'[:2000])
                     line = rec['error'].splitlines()[0]
-                print(f"{kernel:5s} {case:20s} {dtype_name:5s} "
+                print(f"{kernel:8s} {case:20s} {dtype_name:5s} "
                       f"{'ok  ' if rec['passed'] else 'FAIL'} {line}", flush=True)
                 records.append(rec)
                 report = dict(

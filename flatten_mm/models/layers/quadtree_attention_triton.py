@@ -253,6 +253,24 @@ def _blocks(K: int, d: int) -> Tuple[int, int, int]:
     return bp, bk, bd
 
 
+def _gathered_warps(bp: int, bk: int, bd: int, scatter: bool) -> int:
+    """Warps of a ``_qt_gathered_kernel`` launch.
+
+    4 for tiles up to 4096 elements, else 8; but 32 for the scatter (backward) launches
+    with one parent of ``BLOCK_D >= 64`` per program (head dim 64, 4K = 128 candidates:
+    QuadTree-B-b1..b4). ptxas sm_90 (Triton 3.8's bundled ptxas, ``gpu_kernel_check.py
+    --aot 90``), spill stores of scores / messages backward at 8 warps -> 32 warps:
+    fp32 260 -> 92 B and 152 -> 0 B, bf16 360 -> 12 B and 194 -> 28 B (16 warps: 224 /
+    96 B, 284 / 116 B). Both use the whole register file of an SM per program (255 x 256
+    threads vs 64 x 1024), so 32 warps also keeps 4x more warps resident to hide the
+    gathers' latency. Not measured on a GPU yet (time: ``gpu_kernel_check.py``). At d = 32
+    (no spills at 8 warps, 32 warps would add 88-116 B) and with several parents per
+    program (d = 64, 4K = 32: scores backward 264 -> 712 B at 32 warps) the rule stays."""
+    if scatter and bp == 1 and bd >= 64:
+        return 32
+    return 4 if bp * bk * bd <= 4096 else 8
+
+
 def tile_fits(num_candidates: int, head_dim: int) -> bool:
     """Whether ``num_candidates`` gathered rows of ``head_dim`` fit the register budget."""
     _, bk, bd = _blocks(num_candidates, head_dim)
@@ -273,7 +291,7 @@ def _launch(P: torch.Tensor, Q: torch.Tensor, src: torch.Tensor, cand: torch.Ten
         P, Q, src, cand, o, ds, h, L, K, d, *P.stride(), *Q.stride(), *src.stride(),
         *cand.stride(), *o.stride(), *ds_strides,
         F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, OUT_P=out_p, OUT_Q=out_q,
-        SCATTER=dsrc is not None, num_warps=4 if bp * bk * bd <= 4096 else 8)
+        SCATTER=dsrc is not None, num_warps=_gathered_warps(bp, bk, bd, dsrc is not None))
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -306,13 +324,13 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
         raise RuntimeError('aot_specs needs the compiled kernels (TRITON_INTERPRET unset)')
     io = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]
     bp, bk, bd = _blocks(num_candidates, head_dim)
-    options = dict(num_warps=4 if bp * bk * bd <= 4096 else 8)
     specs = []
     for name, out_p, out_q, scatter in _MODES:
         const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, OUT_P=out_p, OUT_Q=out_q,
                      SCATTER=scatter)
         sig, cst = _signature(_qt_gathered_kernel, const, io,
                               ('dsrc_ptr', ) if scatter else ())
+        options = dict(num_warps=_gathered_warps(bp, bk, bd, scatter))
         specs.append((name, _qt_gathered_kernel, sig, cst, options))
     bp, bk, bd, warps = _final_blocks(num_candidates, head_dim)
     const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd)
@@ -495,7 +513,13 @@ _messages_op.register_autograd(_messages_backward, setup_context=_messages_setup
 
 def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
     """``BLOCK_P``, ``BLOCK_K``, ``BLOCK_D`` and warps of the fused final-level kernels (two
-    gathered tiles in the forward, four in the backward)."""
+    gathered tiles in the forward, four in the backward).
+
+    The backward spills at head dim 64 (one parent per program, 4K = 128; ptxas sm_90 spill
+    stores at 8 / 16 / 32 warps: fp32 452 / 516 / 900 B, bf16 380 / 232 / 148 B; none at
+    d = 32): no warp count removes it (four ``(4K, d)`` float32 tiles plus their int64
+    row offsets), so 8 warps stay; removing it needs a kernel change (e.g. int32 offsets,
+    or the ``dk`` / ``dv`` scatter in chunks of ``d``)."""
     _, bk, bd = _blocks(K, d)
     bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (2 * bk * bd)))
     return bp, bk, bd, 4 if bp * bk * bd <= 2048 else 8
