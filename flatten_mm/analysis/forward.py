@@ -22,10 +22,40 @@ import torch.nn as nn
 from mmengine.config import Config
 
 
-def build_model(cfg: Config, scope: Optional[str] = None) -> nn.Module:
+def strip_pretrained(obj) -> None:
+    """Remove, in place, every checkpoint a model config would read while its weights
+    are initialised: ``init_cfg`` entries of type ``Pretrained`` (single or in a list)
+    and old-style ``pretrained=`` paths, at any depth. The other ``init_cfg`` entries
+    (Xavier, Normal, Constant...) stay."""
+    if isinstance(obj, dict):
+        init = obj.get('init_cfg')
+        if isinstance(init, dict) and init.get('type') == 'Pretrained':
+            obj['init_cfg'] = None
+        elif isinstance(init, (list, tuple)):
+            obj['init_cfg'] = [c for c in init
+                               if not (isinstance(c, dict) and c.get('type') == 'Pretrained')]
+        if isinstance(obj.get('pretrained'), str):
+            obj['pretrained'] = None
+        for v in obj.values():
+            strip_pretrained(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            strip_pretrained(v)
+
+
+def build_model(cfg: Config, scope: Optional[str] = None,
+                init_weights: bool = False) -> nn.Module:
     """Build ``cfg.model`` with the registry of ``cfg.default_scope`` (``mmdet`` /
-    ``mmseg``), importing ``custom_imports`` first. Weights are not initialised from
-    ``init_cfg`` (no checkpoint is read); the model is returned in eval mode."""
+    ``mmseg``), importing ``custom_imports`` first; the model is returned in eval mode.
+
+    ``init_weights=False``: the modules keep their constructors' initialisation (quick;
+    what a checkpoint is loaded over). ``True``: ``model.init_weights()`` runs as
+    mmengine's Runner runs it before training, with every checkpoint entry removed first
+    (``strip_pretrained``: nothing is read or downloaded) -- needed to run a randomly
+    initialised model, since some parameters are created uninitialised
+    (``torch.Tensor(n)``) and only set there (SSD's ``L2Norm`` scale, DETR-likes'
+    ``level_embed``): without it they hold whatever was in memory.
+    """
     from mmengine.registry import init_default_scope
     from mmengine.utils import import_modules_from_strings
 
@@ -42,7 +72,19 @@ def build_model(cfg: Config, scope: Optional[str] = None) -> nn.Module:
     model_cfg = copy.deepcopy(cfg.model)
     if scope == 'mmseg' and model_cfg.get('pretrained') is not None:
         model_cfg.pretrained = None
-    return MODELS.build(model_cfg).eval()
+    if not init_weights:
+        return MODELS.build(model_cfg).eval()
+    strip_pretrained(model_cfg)
+    model = MODELS.build(model_cfg)
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel('WARNING')  # no per-parameter initialisation listing
+    try:
+        model.init_weights()
+    finally:
+        logger.setLevel(level)
+    return model.eval()
 
 
 def _random_proposals(num: int, hw: Tuple[int, int], device: torch.device,

@@ -269,8 +269,10 @@ def _map_channels(values, indices: Sequence[int], channels: Sequence[int], what:
 
 
 #: heads of mmdet detectors without a neck that read every backbone map through
-#: ``in_channels`` (and ``strides`` where they have them)
-_QUERY_HEAD_KEYS = ('panoptic_head', )
+#: ``in_channels`` (and ``strides`` where they have them): MaskFormer / Mask2Former
+#: (``panoptic_head``) and Mask2Former VIS (``Mask2FormerVideo.track_head``, a
+#: Mask2Former head over the frames of a clip)
+_QUERY_HEAD_KEYS = ('panoptic_head', 'track_head')
 
 
 def _uses_in_index(head_type: Any) -> bool:
@@ -777,7 +779,7 @@ def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
     from .swap_smoke import mmsyncbn_as_bn
     cfg = copy.deepcopy(cfg)
     mmsyncbn_as_bn(cfg.model)  # SyncBN / MMSyncBN need a process group
-    model = revert_sync_batchnorm(build_model(cfg))
+    model = revert_sync_batchnorm(build_model(cfg, init_weights=True))
     x = torch.randn(1, 3, *input_hw)
     with torch.no_grad():
         feats = model.backbone(x)
@@ -795,6 +797,11 @@ def verify_config(path_or_cfg, input_hw: Optional[Tuple[int, int]] = None,
             # truth); Sparse R-CNN / QueryInst (EmbeddingRPNHead) and SCNet have no
             # tensor-only RPN / RoI forward: the predict graph runs the same modules
             _predict(model, x)
+        elif getattr(model, 'track_head', None) is not None:
+            # Mask2Former VIS: the backbone runs on the frames of a clip, the track head
+            # over all of them (one video in eval mode)
+            frames = getattr(model.track_head, 'num_frames', 2)
+            model.track_head(model.backbone(x.expand(frames, -1, -1, -1)), [])
         elif head is not None and not _uses_in_index(type(head)):
             # mmseg MaskFormer-style heads need the image metas: run the predict graph
             hw = tuple(input_hw)

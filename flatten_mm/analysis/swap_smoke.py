@@ -181,6 +181,8 @@ def synthetic_batch(scope: str, model_cfg, input_hw: Tuple[int, int], batch_size
     """
     import numpy as np
     from mmengine.structures import InstanceData, PixelData
+    if scope == 'mmdet' and isinstance(model_cfg.get('track_head'), dict):
+        return synthetic_clips(model_cfg, input_hw, batch_size, num_objects, seed)
     g = torch.Generator().manual_seed(seed)
     H, W = input_hw
     things, stuff = _num_classes(model_cfg)
@@ -221,6 +223,46 @@ def synthetic_batch(scope: str, model_cfg, input_hw: Tuple[int, int], batch_size
     return dict(inputs=inputs, data_samples=samples)
 
 
+def synthetic_clips(model_cfg, input_hw: Tuple[int, int], batch_size: int = 2,
+                    num_objects: int = 3, seed: int = 0) -> dict:
+    """A video batch for a clip model (Mask2Former VIS, ``TrackDataPreprocessor``):
+    ``batch_size`` clips of ``track_head.num_frames`` random uint8 frames ``(T, 3, H, W)``,
+    each a ``TrackDataSample`` whose frames carry the same ``num_objects`` instances
+    (``instances_ids`` 0..n-1; boxes moved by a few pixels per frame, box-shaped masks)."""
+    import numpy as np
+    from mmengine.structures import InstanceData
+    from mmdet.structures import DetDataSample, TrackDataSample
+    from mmdet.structures.mask import BitmapMasks
+    g = torch.Generator().manual_seed(seed)
+    H, W = input_hw
+    frames = model_cfg['track_head'].get('num_frames', 2)
+    things, _ = _num_classes(model_cfg)
+    inputs, samples = [], []
+    for _ in range(batch_size):
+        inputs.append(torch.randint(0, 256, (frames, 3, H, W), generator=g,
+                                    dtype=torch.uint8))
+        xy = torch.rand(num_objects, 2, generator=g) * torch.tensor([W * 0.5, H * 0.5])
+        wh = (torch.rand(num_objects, 2, generator=g) * 0.3 + 0.15) * torch.tensor([W, H])
+        labels = torch.randint(0, things, (num_objects, ), generator=g)
+        video = []
+        for t in range(frames):
+            boxes = (torch.cat([xy, xy + wh], 1) + 2 * t).clamp(max=min(H, W) - 1).round()
+            masks = np.zeros((num_objects, H, W), dtype=np.uint8)
+            for i, (x1, y1, x2, y2) in enumerate(boxes.long().tolist()):
+                masks[i, y1:y2, x1:x2] = 1
+            frame = DetDataSample(metainfo=dict(
+                img_shape=(H, W), ori_shape=(H, W), pad_shape=(H, W), scale_factor=(1., 1.),
+                flip=False, flip_direction=None, img_path='', img_id=t, frame_id=t,
+                video_length=frames))
+            frame.gt_instances = InstanceData(
+                bboxes=boxes, labels=labels.clone(), masks=BitmapMasks(masks, H, W),
+                instances_ids=torch.arange(num_objects))
+            video.append(frame)
+        samples.append(TrackDataSample(video_data_samples=video,
+                                       metainfo=dict(video_length=frames)))
+    return dict(inputs=inputs, data_samples=samples)
+
+
 def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size: int = 2,
                 seed: int = 0, step: bool = True, data: str = 'auto',
                 few_rois: bool = False) -> SmokeReport:
@@ -252,7 +294,7 @@ def train_smoke(path_or_cfg, input_hw: Tuple[int, int] = (256, 256), batch_size:
     notes: List[str] = []
     cfg = _smoke_model_cfg(cfg, input_hw, notes, few_rois)
     torch.manual_seed(seed)
-    model = revert_sync_batchnorm(build_model(cfg)).train()
+    model = revert_sync_batchnorm(build_model(cfg, init_weights=True)).train()
     batch = None
     roi = cfg.model.get('roi_head') or {}
     if data == 'synthetic':

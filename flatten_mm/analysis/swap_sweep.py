@@ -186,15 +186,9 @@ def _check(cfg: Config, hw: Tuple[int, int], train: bool, time_limit: int):
 
 def sweep_one(scope: str, family: str, backbone: str, work_dir: str, size: int = 128,
               train: bool = True, time_limit: int = 600) -> SweepRow:
-    """Swap, verify and train-smoke the family's representative config.
-
-    The checks run at ``size`` (a config's own ``input_size`` where it has one, SSD),
-    and again at twice that when they fail there (DETR-likes select more queries than a
-    128x128 image has tokens; deformable convs need larger maps). A failure that the
-    unswapped source config shows too, at the same size, is reported as ``source-fails``
-    (a limitation of mmdet / mmseg on this machine, not of the swap).
-    """
-    from .swap import load_source_config, swap_backbone
+    """Swap, verify and train-smoke the family's representative config (the checks and
+    how their failures are classified: ``check_adapted``)."""
+    from .swap import swap_backbone
     t0 = time.perf_counter()
     src, why = representative(scope, family)
     if src is None:
@@ -215,7 +209,30 @@ def sweep_one(scope: str, family: str, backbone: str, work_dir: str, size: int =
         row.status, row.reason = 'failed', f'swap: {_one_line(exc)}'
         traceback.print_exc()
         return done(row)
-    cfg = Config.fromfile(out)
+    check_adapted(row, Config.fromfile(out), src, size, train, time_limit)
+    return done(row)
+
+
+def check_adapted(row, cfg: Config, src: str, size: int = 128, train: bool = True,
+                  time_limit: int = 600):
+    """Run a written (swapped) config once and, with ``train``, one training iteration,
+    and record the outcome in ``row`` (a ``SweepRow`` or anything with its ``status``,
+    ``reason``, ``size``, ``forward``, ``train_smoke``, ``losses_finite``,
+    ``backbone_grads`` and ``batch`` attributes; ``status`` is left as it is when
+    everything passed).
+
+    The checks run at ``size`` (a config's own ``input_size`` where it has one, SSD),
+    and again at twice that when they fail there (DETR-likes select more queries than a
+    128x128 image has tokens; deformable convs need larger maps). A failure that the
+    unswapped source config ``src`` (``scope::family/file.py``) shows too, at the same
+    size, is ``source-fails`` (a limitation of mmdet / mmseg on this machine, not of the
+    swap); a missing optional package ``needs-package``; an mmcv op without a CPU kernel
+    ``gpu-only``.
+
+    Returns:
+        ``row``.
+    """
+    from .swap import load_source_config
     isize = cfg.get('input_size')
     sizes = [isize] if isinstance(isize, int) else [size, 2 * size]
     for n in sizes:
@@ -252,7 +269,7 @@ def sweep_one(scope: str, family: str, backbone: str, work_dir: str, size: int =
                 row.status = 'source-fails'
                 row.reason = (f'adapted; the unswapped source config fails the {stage} the '
                               f'same way here: {_one_line(exc)}')
-        return done(row)
+        return row
     if rep is not None:
         row.losses_finite = 'yes' if all(math.isfinite(v) for v in rep.losses.values()) \
             else 'no'
@@ -277,7 +294,7 @@ def sweep_one(scope: str, family: str, backbone: str, work_dir: str, size: int =
                                       f'{", ".join(nonfinite)} too')
                 except Exception:  # noqa: BLE001 -- keep 'failed' with its reason
                     traceback.print_exc()
-    return done(row)
+    return row
 
 
 def read_rows(csv_path: str) -> List[SweepRow]:

@@ -1,4 +1,5 @@
-"""Every-config pass of ``swap_backbone``: plan, write and build, no forward.
+"""Every-config pass of ``swap_backbone``: plan, write and build; then (``--run``) a
+forward and a training step of each built config.
 
 ``swap_sweep`` checks one representative config per family directory in depth (forward
 and one training step). This pass covers every ``.py`` config of every family directory
@@ -18,6 +19,13 @@ cost of a build only:
    with the same message, is ``source-fails``, a missing optional package
    ``needs-package``, anything else ``failed``.
 
+4. (``--run``, ``run_config``) a built config is run as the family sweep runs its
+   representative (``swap_sweep.check_adapted``: one forward and one training iteration
+   on CPU at a small size), unless a config with the same ``run_key`` -- the same written
+   model, training data and optimizer -- was run already: it then takes that result
+   (``same_as``). A failed run turns ``adapted`` into ``failed`` / ``source-fails`` /
+   ``needs-package`` / ``gpu-only`` with the reason.
+
 Each config runs under a time limit (``swap_sweep._time_limit``). Rows are appended to a
 CSV keyed by (scope, config), so an interrupted sweep resumes, and rendered as Markdown
 with per-family counts and every refusal and failure with its reason
@@ -26,12 +34,14 @@ with per-family counts and every refusal and failure with its reason
 import contextlib
 import copy
 import csv
+import hashlib
+import json
 import os
 import os.path as osp
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from mmengine.config import Config
 
@@ -41,10 +51,16 @@ from .swap_sweep import (_family_files, _md_cell, _missing_package, _one_line, _
 
 #: the columns of the every-config table
 ALL_COLUMNS = ('scope', 'family', 'config', 'status', 'reason', 'build', 'build_error',
-               'seconds')
+               'seconds', 'size', 'forward', 'train_smoke', 'losses_finite',
+               'backbone_grads', 'batch', 'run_key', 'same_as', 'run_seconds')
 
 #: statuses, in the order the Markdown counts them
-ALL_STATUSES = ('adapted', 'refused', 'needs-package', 'source-fails', 'failed', 'skipped')
+ALL_STATUSES = ('adapted', 'refused', 'needs-package', 'gpu-only', 'source-fails', 'failed',
+                'skipped')
+
+#: the run fields a config takes over from an identical one (``same_as``)
+RUN_FIELDS = ('status', 'reason', 'size', 'forward', 'train_smoke', 'losses_finite',
+              'backbone_grads', 'batch')
 
 
 @dataclass
@@ -64,7 +80,16 @@ class ConfigRow:
         reason: why, for every status but ``adapted``.
         build: ``ok`` / ``failed`` / ``''`` (not built).
         build_error: the build's one-line error.
-        seconds: wall time of the config.
+        seconds: wall time of the read, swap and build.
+        size, forward, train_smoke, losses_finite, backbone_grads, batch: the run
+            (``--run``) of a built config, as in the family sweep
+            (``swap_sweep.check_adapted``); ``''`` when it was not run. A failed run
+            turns ``status`` into ``failed`` / ``source-fails`` / ``needs-package`` /
+            ``gpu-only`` with the reason.
+        run_key: ``run_key`` of the written config.
+        same_as: the config (same scope) whose run this row takes over: its written
+            model, training data and optimizer are identical (``''``: run itself).
+        run_seconds: wall time of the run (``0`` when taken over).
     """
 
     scope: str
@@ -75,6 +100,15 @@ class ConfigRow:
     build: str = ''
     build_error: str = ''
     seconds: str = ''
+    size: str = ''
+    forward: str = ''
+    train_smoke: str = ''
+    losses_finite: str = ''
+    backbone_grads: str = ''
+    batch: str = ''
+    run_key: str = ''
+    same_as: str = ''
+    run_seconds: str = ''
 
 
 @contextlib.contextmanager
@@ -248,6 +282,135 @@ def sweep_config(scope: str, rel: str, backbone: str, work_dir: str,
     return done()
 
 
+#: the parts of a written config that decide what its run does: the model (heads, losses,
+#: data preprocessor, train / test cfg), the training data (pipeline, dataset, sampler),
+#: the optimizer wrapper, custom imports and SSD-style ``input_size``
+RUN_KEY_PARTS = ('model', 'train_dataloader', 'optim_wrapper', 'custom_imports',
+                 'input_size')
+
+
+def run_key(cfg: Config) -> str:
+    """A digest of the run-deciding parts of a written config (``RUN_KEY_PARTS``): two
+    configs with the same key build the same model, train it on the same batch and
+    step the same optimizer, so the run of one stands for the other (e.g. the r50 and
+    r101 variants of a detector, whose only difference was the swapped-out backbone)."""
+    parts = {k: cfg.get(k) for k in RUN_KEY_PARTS}
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def isolated_run(scope: str, config: str, backbone: str, size: int,
+                 time_limit: int) -> dict:
+    """Swap and run one config (``check_adapted``) as the first model of this process;
+    returns its ``RUN_FIELDS``. What ``run_config`` runs in a new process."""
+    import tempfile
+    from .swap import swap_backbone
+    from .swap_sweep import check_adapted
+    row = ConfigRow(scope, config.split('/', 1)[0], config, 'adapted', build='ok')
+    with tempfile.TemporaryDirectory() as work, cached_metafiles():
+        out = osp.join(work, f'{scope}_run.py')
+        swap_backbone(f'{scope}::{config}', backbone, out, force=True)
+        check_adapted(row, Config.fromfile(out), f'{scope}::{config}', size, True,
+                      time_limit)
+    return {f: getattr(row, f) for f in RUN_FIELDS}
+
+
+def _run_in_new_process(row: ConfigRow, backbone: str, size: int,
+                        time_limit: int) -> Optional[dict]:
+    """``isolated_run`` in a new Python process (``None`` if that process fails)."""
+    import subprocess
+    import sys
+    root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+    code = ('import json, sys; sys.path.insert(0, sys.argv[1]); '
+            'from flatten_mm.analysis.swap_sweep_all import isolated_run; '
+            "print('ISOLATED_RUN ' + json.dumps(isolated_run(sys.argv[2], sys.argv[3], "
+            'sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))))')
+    try:
+        proc = subprocess.run(
+            [sys.executable, '-c', code, root, row.scope, row.config, backbone, str(size),
+             str(time_limit)], capture_output=True, text=True, timeout=4 * time_limit)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith('ISOLATED_RUN '):
+            return json.loads(line[len('ISOLATED_RUN '):])
+    return None
+
+
+def run_config(row: ConfigRow, backbone: str, work_dir: str, size: int = 128,
+               time_limit: int = 600,
+               ran: Optional[Dict[str, ConfigRow]] = None,
+               isolate_failures: bool = True) -> ConfigRow:
+    """Run an adapted, built config: forward and one training iteration
+    (``swap_sweep.check_adapted``: sizes, demo / synthetic batch and how failures are
+    classified), unless a config with the same ``run_key`` was run already (``ran``:
+    key -> its row, updated here), whose run fields it then takes (``same_as``).
+
+    Args:
+        row: the config's row from the build pass (status ``adapted``); updated in place.
+        backbone: catalogue name of the new backbone (the config is swapped again).
+        work_dir: where the written config goes (overwritten per config).
+        size: image size of the checks.
+        time_limit: seconds for the swap and for each check.
+        ran: run rows by key, shared across calls.
+        isolate_failures: a run that fails (``failed``, or ``source-fails``: the
+            source is compared in the same process) is run again in a new Python
+            process, where the config's model is the first one built: the sweep builds
+            hundreds of models in one process, and some models' state outlives them
+            (mmdet's DDQ-DETR gives non-finite gradients when another DDQ model was
+            built before in the process, the unswapped source too). The new process's
+            result is kept; when it passes, ``reason`` keeps the first error and says so.
+
+    Returns:
+        ``row``.
+    """
+    from .swap import swap_backbone
+    from .swap_sweep import check_adapted
+    t0 = time.perf_counter()
+    ran = {} if ran is None else ran
+    name = f'{row.scope}::{row.config}'
+    out = osp.join(work_dir, f'{row.scope}_run.py')
+    try:
+        with _time_limit(time_limit):
+            swap_backbone(name, backbone, out, force=True)
+        cfg = Config.fromfile(out)
+    except Exception as exc:  # noqa: BLE001 -- it was swapped in the build pass: a bug
+        traceback.print_exc()
+        row.status, row.reason = 'failed', f'run: swapping again failed: {_one_line(exc)}'
+        row.run_seconds = f'{time.perf_counter() - t0:.1f}'
+        return row
+    row.run_key = run_key(cfg)
+    first = ran.get(row.run_key)
+    if first is not None and first.scope == row.scope:
+        for f in RUN_FIELDS:
+            setattr(row, f, getattr(first, f))
+        row.same_as, row.run_seconds = first.config, '0'
+        return row
+    row.same_as = ''
+    try:
+        check_adapted(row, cfg, name, size, True, time_limit)
+        if row.status in ('failed', 'source-fails') and isolate_failures:
+            fresh = _run_in_new_process(row, backbone, size, time_limit)
+            if fresh is not None and fresh['status'] not in ('failed', 'source-fails'):
+                first = row.reason
+                for f in RUN_FIELDS:
+                    setattr(row, f, fresh[f])
+                row.reason = ((row.reason + '; ' if row.reason else '')
+                              + 'passed as the first model of a new process; in the '
+                              f"sweep's process, after other models: {first}")
+    finally:
+        row.run_seconds = f'{time.perf_counter() - t0:.1f}'
+        site = osp.dirname(osp.dirname(osp.dirname(configs_root(row.scope)))) + os.sep
+        row.reason = row.reason.replace(site, '')
+    ran[row.run_key] = row
+    return row
+
+
+def runs_by_key(rows: Iterable[ConfigRow]) -> Dict[str, ConfigRow]:
+    """``run_key`` -> the row that was run itself (not taken over), from a CSV's rows."""
+    return {r.run_key: r for r in rows if r.run_key and r.forward and not r.same_as}
+
+
 # ------------------------------------------------------------------------------ CSV / MD
 def read_all_rows(csv_path: str) -> List[ConfigRow]:
     """Rows of an every-config CSV (``[]`` when it does not exist)."""
@@ -276,6 +439,18 @@ def status_counts(rows: List[ConfigRow]) -> dict:
         k: v for k, v in counts.items() if k not in ALL_STATUSES}
 
 
+def run_summary(rows: List[ConfigRow]) -> str:
+    """One line: of the built configs, how many ran (themselves / taken over) and passed,
+    and how many were not run yet."""
+    built = [r for r in rows if r.build == 'ok']
+    run = [r for r in built if r.forward]
+    own = [r for r in run if not r.same_as]
+    passed = [r for r in run if r.status == 'adapted' and r.train_smoke == 'ok']
+    return (f'{len(run)} of {len(built)} built configs were run ({len(own)} themselves, '
+            f'{len(run) - len(own)} identical to one of those); {len(passed)} passed the '
+            f'forward and the training step; {len(built) - len(run)} not run yet')
+
+
 def render_markdown_all(rows: List[ConfigRow], backbone: str) -> str:
     """The Markdown page: how the pass was run, totals, per-family counts, then every
     refusal, failure and needs-package / source-fails row with its reason."""
@@ -291,25 +466,49 @@ def render_markdown_all(rows: List[ConfigRow], backbone: str) -> str:
         'directory of the installed packages\' `.mim/configs` is read as '
         '`tools/swap_backbone.py` reads it; one with a `model.backbone` is swapped (the '
         'plan, the written config, its neck built on the new channels) and the written '
-        "config's model is built on CPU. Nothing is run: the forward and the training "
-        'step are checked per family in [swap_support.md](swap_support.md). Statuses: '
-        '`adapted` (written and built), `refused` (the tool\'s reason), `needs-package` '
-        '(an optional package not installed here), `source-fails` (the unswapped source '
-        'fails to build the same way here), `failed` (a bug: the swap or the build of '
-        'the written config failed), `skipped` (unreadable here or no `model.backbone`).',
+        "config's model is built on CPU. With `--run`, each built config is then run on "
+        'CPU as in the family sweep ([swap_support.md](swap_support.md)): one forward and '
+        'one training iteration (finite losses, a gradient for every trainable backbone '
+        'parameter, an optimizer step) at a small size; a config whose written model, '
+        'training data and optimizer are identical to one already run (`run_key`, e.g. '
+        'the r50 and r101 variants of a detector once their backbone is swapped) takes '
+        "that run's result (`same_as` in the CSV). Statuses: "
+        '`adapted` (written and built; passed the run where it was run), `refused` (the '
+        "tool's reason), `needs-package` (an optional package not installed here), "
+        '`gpu-only` (an mmcv op of the unchanged heads has no CPU kernel), '
+        '`source-fails` (the unswapped source fails the same way here), `failed` (a bug: '
+        'the swap, the build or the run of the written config failed), `skipped` '
+        '(unreadable here or no `model.backbone`).',
         '',
         'Status: ' + ', '.join(f'{v} {k}' for k, v in counts.items())
         + f' ({len(rows)} configs in {len(by_family)} families).',
         '',
+        'Run: ' + run_summary(rows) + '.',
+        '',
         '## Per family',
         '',
-        '| scope | family | configs | ' + ' | '.join(ALL_STATUSES) + ' |',
-        '| --- | --- | --- |' + ' --- |' * len(ALL_STATUSES),
+        '`ran`: adapted configs that passed the forward and the training step (run '
+        'themselves + identical to one of those) / adapted configs.',
+        '',
+        '| scope | family | configs | ' + ' | '.join(ALL_STATUSES) + ' | ran |',
+        '| --- | --- | --- |' + ' --- |' * (len(ALL_STATUSES) + 1),
     ]
     for (scope, fam), rs in sorted(by_family.items()):
         c = status_counts(rs)
+        ok = [r for r in rs if r.status == 'adapted' and r.train_smoke == 'ok']
+        own = sum(1 for r in ok if not r.same_as)
         lines.append(f'| {scope} | {_md_cell(fam)} | {len(rs)} | '
-                     + ' | '.join(str(c.get(k, 0)) for k in ALL_STATUSES) + ' |')
+                     + ' | '.join(str(c.get(k, 0)) for k in ALL_STATUSES)
+                     + f' | {own} + {len(ok) - own} / {c.get("adapted", 0)} |')
+    fresh = sorted((r for r in rows if r.status == 'adapted' and r.reason),
+                   key=lambda r: (r.scope, r.config))
+    if fresh:
+        lines += ['', f'## Adapted, passed in a new process only ({len(fresh)})', '',
+                  'Their run failed in the sweep\'s long-running process and passed as the '
+                  'first model of a new one (state of earlier models in the process).', '',
+                  '| scope | config | reason |', '| --- | --- | --- |']
+        lines += [f'| {r.scope} | `{_md_cell(r.config)}` | {_md_cell(r.reason)} |'
+                  for r in fresh]
     sections = (('Failed', ('failed',), ('reason', 'build_error')),
                 ('Refused', ('refused',), ('reason',)),
                 ('Needs a package / fails unswapped too', ('needs-package', 'source-fails'),
@@ -330,7 +529,8 @@ def render_markdown_all(rows: List[ConfigRow], backbone: str) -> str:
     return '\n'.join(lines) + '\n'
 
 
-__all__ = ['ALL_COLUMNS', 'ALL_STATUSES', 'ConfigRow', 'append_all_row', 'build_config',
-           'cached_metafiles',
-           'family_configs', 'read_all_rows', 'read_backbone_config', 'render_markdown_all',
-           'status_counts', 'sweep_config']
+__all__ = ['ALL_COLUMNS', 'ALL_STATUSES', 'ConfigRow', 'RUN_FIELDS', 'append_all_row',
+           'build_config', 'cached_metafiles', 'family_configs', 'read_all_rows',
+           'isolated_run', 'read_backbone_config', 'render_markdown_all', 'run_config',
+           'run_key',
+           'run_summary', 'runs_by_key', 'status_counts', 'sweep_config']

@@ -49,6 +49,8 @@ UPSTREAM = [
     ('mmdet::maskformer/maskformer_r50_ms-16xb1-75e_coco.py', 'flatten-pvt-v2-b0'),
     ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     ('mmseg::maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    # Mask2Former VIS: the track head is a Mask2Former head over the frames of a clip
+    ('mmdet::mask2former_vis/mask2former_r50_8xb2-8e_youtubevis2019.py', 'flatten-pvt-v2-b0'),
     # backbones of another scope (mmpretrain, not installed): exact geometry, imports dropped
     ('mmseg::poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     ('mmdet::convnext/mask-rcnn_convnext-t-p4-w7_fpn_amp-ms-crop-3x_coco.py', 'flatten-pvt-v2-b0'),
@@ -72,8 +74,9 @@ def _readers(cfg):
         neck = model.neck[0] if isinstance(model.neck, list) else model.neck
         chans = [neck.in_channels] if isinstance(neck.in_channels, int) else neck.in_channels
         return {'neck': list(chans)[::-1] if neck.type == 'YOLOV3Neck' else list(chans)}
-    if model.get('panoptic_head') is not None:
-        return {'panoptic_head': list(model.panoptic_head.in_channels)}
+    for key in ('panoptic_head', 'track_head'):
+        if model.get(key) is not None:
+            return {key: list(model[key].in_channels)}
     out = {}
     for key in ('decode_head', 'auxiliary_head'):
         heads = model.get(key)
@@ -137,7 +140,8 @@ def test_swapped_upstream_config_builds_and_runs(tmp_path, src, name):
         assert cfg.optim_wrapper.constructor == 'DefaultOptimWrapperConstructor'
         assert 'decay_rate' not in cfg.optim_wrapper.paramwise_cfg
     if 'mask2former' in src:  # the pixel decoder's levels keep their strides
-        head = cfg.model.get('panoptic_head') or cfg.model.decode_head
+        head = (cfg.model.get('panoptic_head') or cfg.model.get('track_head')
+                or cfg.model.decode_head)
         assert list(head.strides) == [4, 8, 16, 32]
     if 'ssd300' in src:  # SSDNeck passes its inputs through: out_channels start with them
         assert list(cfg.model.neck.out_channels[:2]) == declared
@@ -399,6 +403,10 @@ TRAIN_SMOKE = [
      ('decode.loss_cls', 'decode.loss_mask', 'decode.loss_dice'),
      'demo: 2 images of demo data demo/data/ade_mini/ADEChallengeData2016 (ADE20KDataset '
      'not present)'),
+    ('mmdet::mask2former_vis/mask2former_r50_8xb2-8e_youtubevis2019.py', 'flatten-pvt-v2-b0',
+     ('loss_cls', 'loss_mask', 'loss_dice'),
+     'synthetic: the model has 40 classes and the demo data (CocoDataset) labels 80; the '
+     "config's dataset YouTubeVISDataset is not present"),
     ('mmdet::yolox/yolox_tiny_8xb8-300e_coco.py', 'sima-xcit-n12-p16',
      ('loss_cls', 'loss_bbox', 'loss_obj'),
      'demo: 2 images of demo data demo/data/coco_mini (CocoDataset not present)'),
@@ -737,3 +745,33 @@ def test_fcn_head_without_convs_reads_the_new_width(tmp_path):
                      get_backbone_spec('flatten-pvt-v2-b0').out_channels))[16]
     assert head.in_channels == head.channels == width
     build_config(cfg)
+
+
+def test_smoke_models_are_initialised_without_reading_checkpoints(tmp_path):
+    """train_smoke / verify_config build with init_weights=True: parameters that only
+    init_weights sets (SSD's L2Norm scale, created as uninitialised memory) get their
+    value, every Pretrained init_cfg (here a checkpoint path that does not exist) is
+    removed instead of read, and two builds under one seed are identical (before,
+    the L2Norm weight held whatever was in memory: losses of 1e26 or NaN that changed
+    from one build to the next)."""
+    from flatten_mm.analysis.forward import build_model, strip_pretrained
+    cfg_dict = dict(backbone=dict(init_cfg=dict(type='Pretrained', checkpoint='x.pth')),
+                    neck=dict(init_cfg=[dict(type='Xavier'),
+                                        dict(type='Pretrained', checkpoint='y.pth')]),
+                    heads=[dict(pretrained='z.pth', init_cfg=dict(type='Normal'))])
+    strip_pretrained(cfg_dict)
+    assert cfg_dict == dict(backbone=dict(init_cfg=None), neck=dict(init_cfg=[dict(
+        type='Xavier')]), heads=[dict(pretrained=None, init_cfg=dict(type='Normal'))])
+    out = tmp_path / 'ssd.py'
+    swap_backbone('mmdet::ssd/ssd300_coco.py', 'flatten-pvt-v2-b0', str(out),
+                  checkpoint=str(tmp_path / 'missing.pth'))
+    cfg = Config.fromfile(str(out))
+    assert cfg.model.backbone.init_cfg.type == 'Pretrained'
+    states = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        states.append(build_model(cfg, init_weights=True).state_dict())
+    scale = cfg.model.neck.l2_norm_scale
+    assert torch.equal(states[0]['neck.l2_norm.weight'],
+                       torch.full_like(states[0]['neck.l2_norm.weight'], scale))
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
