@@ -399,6 +399,12 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
                                                           torch.float16)]
     if bad:
         return f'dtype {bad[0]} (the kernels take float32 / bfloat16 / float16)'
+    return device_problem(tensors, __name__)
+
+
+def device_problem(tensors, module: str) -> Optional[str]:
+    """Why Triton kernels decorated in ``module`` cannot run on the devices of ``tensors``
+    (``None`` if they can): one device, CUDA, or the CPU under Triton's interpreter."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         return f'tensors on several devices {sorted(map(str, devices))}'
@@ -406,7 +412,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
     if dev.type == 'cpu':
         if not INTERPRETED:
             return ('CPU tensors need Triton\'s interpreter: set TRITON_INTERPRET=1 before '
-                    'flatten_mm.models.layers.focused_linear_attention_triton is imported')
+                    f'{module} is imported')
     elif dev.type != 'cuda':
         return f'device {dev} (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)'
     return None

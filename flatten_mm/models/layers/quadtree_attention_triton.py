@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .focused_linear_attention_triton import _cast_rne
+from .focused_linear_attention_triton import _cast_rne, device_problem
 
 #: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -376,17 +376,7 @@ def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
     for t in (a, src):
         if t.dtype not in _FLOAT_DTYPES:
             return f'dtype {t.dtype} (the kernels take float32 / bfloat16 / float16)'
-    devices = {t.device for t in (a, src, index)}
-    if len(devices) != 1:
-        return f'tensors on several devices {sorted(map(str, devices))}'
-    dev = devices.pop()
-    if dev.type == 'cpu':
-        if not INTERPRETED:
-            return ('CPU tensors need Triton\'s interpreter: set TRITON_INTERPRET=1 before '
-                    'flatten_mm.models.layers.quadtree_attention_triton is imported')
-    elif dev.type != 'cuda':
-        return f'device {dev} (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)'
-    return None
+    return device_problem((a, src, index), __name__)
 
 
 # ----------------------------------------------------------------------------------------
@@ -408,44 +398,65 @@ def _(query, key, index):
     return query.new_empty((B, h, L, nf, index.shape[-1]))
 
 
+def _grad_buffers(a: torch.Tensor, src: torch.Tensor, need_a: bool,
+                  need_src: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of a backward op: ``a``'s gradient (contiguous) and ``src``'s, or an empty
+    tensor where a gradient is not needed."""
+    da = torch.empty_like(a, memory_format=torch.contiguous_format) if need_a else \
+        a.new_empty((0, ))
+    dsrc = torch.empty_like(src, memory_format=torch.contiguous_format) if need_src else \
+        src.new_empty((0, ))
+    return da, dsrc
+
+
+def _gathered_backward(grad, a, src, index, need_a, need_src, messages: bool):
+    """Shared body of both backward ops: the gradients of ``a`` (the weights of
+    ``messages``, else the queries of the scores) and of ``src`` (values / keys, by the
+    fp32 scatter-add)."""
+    da = _grad_buffers(a, src, need_a, False)[0]
+    dsrc32 = torch.zeros(src.shape, dtype=torch.float32, device=src.device) if need_src \
+        else None
+    if need_a or need_src:
+        if messages:  # (P = weight, Q = grad) -> dweight, dvalue
+            _launch(a, grad, src, index, da if need_a else None, dsrc32, out_p=need_a,
+                    out_q=False)
+        else:  # scores: (P = grad, Q = query) -> dquery, dkey
+            _launch(grad, a, src, index, da if need_a else None, dsrc32, out_p=False,
+                    out_q=need_a)
+    dsrc = dsrc32.to(src.dtype) if need_src else src.new_empty((0, ))
+    return da, dsrc
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _autograd_backward(backward_op):
+    """The ``register_autograd`` backward of a gathered op ``(a, src, index)``."""
+    def backward(ctx, grad):
+        a, src, index = ctx.saved_tensors
+        need_a, need_src = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        da, dsrc = backward_op(grad, a, src, index, need_a, need_src)
+        return (da if need_a else None), (dsrc if need_src else None), None
+    return backward
+
+
 @torch.library.triton_op('flatten_mm::qt_gathered_scores_backward', mutates_args=())
 def _scores_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                         index: torch.Tensor, need_query: bool,
                         need_key: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dquery, dkey)``; an empty tensor stands for a gradient that is not needed."""
-    dq = torch.empty_like(query, memory_format=torch.contiguous_format) if need_query else \
-        query.new_empty((0, ))
-    dk32 = torch.zeros(key.shape, dtype=torch.float32, device=key.device) if need_key else None
-    if need_query or need_key:
-        _launch(grad, query, key, index, dq if need_query else None, dk32, out_p=False,
-                out_q=need_query)
-    dk = dk32.to(key.dtype) if need_key else key.new_empty((0, ))
-    return dq, dk
+    return _gathered_backward(grad, query, key, index, need_query, need_key, messages=False)
 
 
 @_scores_backward_op.register_fake
 def _(grad, query, key, index, need_query, need_key):
-    dq = torch.empty_like(query, memory_format=torch.contiguous_format) if need_query else \
-        query.new_empty((0, ))
-    dk = torch.empty_like(key, memory_format=torch.contiguous_format) if need_key else \
-        key.new_empty((0, ))
-    return dq, dk
+    return _grad_buffers(query, key, need_query, need_key)
 
 
-def _scores_setup(ctx, inputs, output):
-    query, key, index = inputs
-    ctx.save_for_backward(query, key, index)
-
-
-def _scores_backward(ctx, grad):
-    query, key, index = ctx.saved_tensors
-    need_q, need_k = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dq, dk = torch.ops.flatten_mm.qt_gathered_scores_backward(grad, query, key, index,
-                                                              need_q, need_k)
-    return (dq if need_q else None), (dk if need_k else None), None
-
-
-_scores_op.register_autograd(_scores_backward, setup_context=_scores_setup)
+_scores_op.register_autograd(
+    _autograd_backward(lambda *a: torch.ops.flatten_mm.qt_gathered_scores_backward(*a)),
+    setup_context=_save_inputs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -471,40 +482,18 @@ def _messages_backward_op(grad: torch.Tensor, weight: torch.Tensor, value: torch
                           index: torch.Tensor, need_weight: bool,
                           need_value: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dweight, dvalue)``; an empty tensor stands for a gradient that is not needed."""
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else \
-        weight.new_empty((0, ))
-    dv32 = torch.zeros(value.shape, dtype=torch.float32, device=value.device) if need_value \
-        else None
-    if need_weight or need_value:
-        _launch(weight, grad, value, index, dw if need_weight else None, dv32,
-                out_p=need_weight, out_q=False)
-    dv = dv32.to(value.dtype) if need_value else value.new_empty((0, ))
-    return dw, dv
+    return _gathered_backward(grad, weight, value, index, need_weight, need_value,
+                              messages=True)
 
 
 @_messages_backward_op.register_fake
 def _(grad, weight, value, index, need_weight, need_value):
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else \
-        weight.new_empty((0, ))
-    dv = torch.empty_like(value, memory_format=torch.contiguous_format) if need_value else \
-        value.new_empty((0, ))
-    return dw, dv
+    return _grad_buffers(weight, value, need_weight, need_value)
 
 
-def _messages_setup(ctx, inputs, output):
-    weight, value, index = inputs
-    ctx.save_for_backward(weight, value, index)
-
-
-def _messages_backward(ctx, grad):
-    weight, value, index = ctx.saved_tensors
-    need_w, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dw, dv = torch.ops.flatten_mm.qt_gathered_messages_backward(grad, weight, value, index,
-                                                                need_w, need_v)
-    return (dw if need_w else None), (dv if need_v else None), None
-
-
-_messages_op.register_autograd(_messages_backward, setup_context=_messages_setup)
+_messages_op.register_autograd(
+    _autograd_backward(lambda *a: torch.ops.flatten_mm.qt_gathered_messages_backward(*a)),
+    setup_context=_save_inputs)
 
 
 # ----------------------------------------------------------------------------------------
