@@ -739,18 +739,22 @@ def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
 def _needs_predict(model) -> bool:
     """mmdet models whose inference graph ``dense_forward`` cannot run with tensors
     only: single-stage instance segmentors with a bbox head (CondInst, BoxInst: their
-    ``_forward`` computes the bbox head's loss), query-based RPNs (EmbeddingRPNHead:
-    Sparse R-CNN, QueryInst) and SCNet's RoI head."""
+    ``_forward`` computes the bbox head's loss), query-based and cascade RPNs
+    (EmbeddingRPNHead: Sparse R-CNN, QueryInst; CascadeRPNHead, which has no tensor
+    forward), SCNet's RoI head and HTC's with a semantic head (its tensor forward passes
+    no semantic features to the mask branch)."""
     if not type(model).__module__.startswith('mmdet.'):
         return False
-    from mmdet.models.dense_heads import EmbeddingRPNHead
+    from mmdet.models.dense_heads import CascadeRPNHead, EmbeddingRPNHead
     from mmdet.models.detectors.single_stage_instance_seg import \
         SingleStageInstanceSegmentor
-    from mmdet.models.roi_heads import SCNetRoIHead
+    from mmdet.models.roi_heads import HybridTaskCascadeRoIHead, SCNetRoIHead
+    roi = getattr(model, 'roi_head', None)
     return ((isinstance(model, SingleStageInstanceSegmentor)
              and getattr(model, 'with_bbox', False))
-            or isinstance(getattr(model, 'rpn_head', None), EmbeddingRPNHead)
-            or isinstance(getattr(model, 'roi_head', None), SCNetRoIHead))
+            or isinstance(getattr(model, 'rpn_head', None), (EmbeddingRPNHead, CascadeRPNHead))
+            or isinstance(roi, SCNetRoIHead)
+            or (isinstance(roi, HybridTaskCascadeRoIHead) and roi.with_semantic))
 
 
 def _predict(model, x) -> None:

@@ -260,7 +260,7 @@ def check_adapted(row, cfg: Config, src: str, size: int = 128, train: bool = Tru
             row.forward = 'needs GPU' if stage == 'forward' else row.forward
             row.train_smoke = 'needs GPU' if stage == 'train smoke' else row.train_smoke
         else:
-            traceback.print_exc()
+            traceback.print_exception(exc)  # (outside its except block: passed explicitly)
             row.status = 'failed'
             row.reason = f'{stage}: {_one_line(exc)}'
             src_cfg, _ = load_source_config(src)

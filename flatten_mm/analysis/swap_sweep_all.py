@@ -275,7 +275,7 @@ def sweep_config(scope: str, rel: str, backbone: str, work_dir: str,
         row.status = 'source-fails'
         row.reason = 'written; the unswapped source config fails to build the same way here'
     else:
-        traceback.print_exc()
+        traceback.print_exception(exc)  # (outside its except block: passed explicitly)
         row.status = 'failed'
         row.reason = 'build of the written config failed' + (
             '' if src_exc is None else f' (the source fails differently: {_one_line(src_exc)})')

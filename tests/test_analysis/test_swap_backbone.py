@@ -49,6 +49,10 @@ UPSTREAM = [
     ('mmdet::maskformer/maskformer_r50_ms-16xb1-75e_coco.py', 'flatten-pvt-v2-b0'),
     ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     ('mmseg::maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    # no tensor-mode forward in mmdet: the predict graph runs (HTC's semantic head,
+    # Cascade RPN)
+    ('mmdet::htc/htc_r50_fpn_1x_coco.py', 'flatten-pvt-v2-b0'),
+    ('mmdet::cascade_rpn/cascade-rpn_faster-rcnn_r50-caffe_fpn_1x_coco.py', 'flatten-pvt-v2-b0'),
     # Mask2Former VIS: the track head is a Mask2Former head over the frames of a clip
     ('mmdet::mask2former_vis/mask2former_r50_8xb2-8e_youtubevis2019.py', 'flatten-pvt-v2-b0'),
     # backbones of another scope (mmpretrain, not installed): exact geometry, imports dropped
