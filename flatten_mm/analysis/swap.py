@@ -325,6 +325,13 @@ def _neckless_mmdet(model: dict, strides, channels, overrides: dict, notes: List
             "backbone's last stage, applied to every RoI: a C4 model), which a transformer "
             'backbone cannot provide')
     heads = [k for k, v in model.items() if k.endswith('head') and isinstance(v, dict)]
+    if len(strides) == 1:
+        raise SwapError(
+            f'the detector ({_strip_scope(model.get("type"))}) has no neck and its heads '
+            f'({", ".join(heads) or "none"}) read the single map of the source backbone, at '
+            f'stride {strides[0]} (a C4 / DC5 model, its last stage dilated or cut); '
+            'detectors are adapted through their neck or MaskFormer-style heads, not '
+            'through RPN / RoI heads reading one backbone map')
     raise SwapError(
         f'the detector ({_strip_scope(model.get("type"))}) has no neck and its heads '
         f'({", ".join(heads) or "none"}) do not declare the channels of each backbone map '
@@ -375,6 +382,9 @@ def _mmseg_heads(model: dict, strides, channels, overrides: dict, notes: List[st
 _REVERSED_NECKS = ('YOLOV3Neck', )
 #: necks that return their inputs first (``out_channels`` starts with ``in_channels``)
 _PASSTHROUGH_NECKS = ('SSDNeck', )
+#: necks with one ``in_channels`` that read the last of the maps they are given
+#: (CenterNet's ``CTResNetNeck``: ``inputs[-1]``, upsampled by deconvolutions)
+_LAST_MAP_NECKS = ('CTResNetNeck', )
 
 
 def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: List[str],
@@ -388,6 +398,8 @@ def _adapt_neck(model: dict, neck, strides, channels, overrides: dict, notes: Li
         all_maps = all_maps[::-1]
     old = first['in_channels']
     old = old[skip:] if skip else old
+    if ntype in _LAST_MAP_NECKS and isinstance(old, int):
+        all_maps = all_maps[-1:]
     new_first = dict(in_channels=_map_channels(old, all_maps, channels, f'neck {ntype}'))
     if ntype in _PASSTHROUGH_NECKS:
         # SSDNeck returns its inputs first: out_channels (and the head's in_channels)
@@ -535,6 +547,12 @@ def plan_swap(cfg: Config, base: str, spec: BackboneSpec,
     if not isinstance(model, dict) or not isinstance(model.get('backbone'), dict):
         raise SwapError('the config has no model.backbone dict')
     src_backbone = model['backbone']
+    in_ch = src_backbone.get('in_channels', src_backbone.get('in_chans', 3))
+    if isinstance(in_ch, int) and in_ch != 3:
+        raise SwapError(
+            f'the source backbone ({_strip_scope(src_backbone.get("type"))}) takes '
+            f'{in_ch}-channel images (in_channels={in_ch}, e.g. the two images of a change-'
+            f'detection pair stacked); {spec.name} takes 3-channel RGB images')
     neck = model.get('neck')
     if neck is not None:
         first = neck[0] if isinstance(neck, (list, tuple)) else neck
@@ -678,13 +696,14 @@ def check_rendered(text: str, plan: SwapPlan) -> Config:
     return cfg
 
 
-def check_neck_builds(cfg: Config) -> None:
+def check_neck_builds(cfg: Config, source: Optional[Config] = None) -> None:
     """Build the merged config's neck: widths some necks derive from ``in_channels``
     (e.g. CSPNeXtPAFPN's halved channels) must still suit its ``norm_cfg``.
 
     Raises:
         SwapError: the neck does not build with the new channels (the message quotes
-            the neck's own error).
+            the neck's own error, and says so when the ``source`` config's neck does not
+            build here either).
     """
     neck = cfg.model.get('neck')
     if neck is None:
@@ -699,10 +718,21 @@ def check_neck_builds(cfg: Config) -> None:
         from mmdet.registry import MODELS
     else:
         from mmseg.registry import MODELS
-    for n in (neck if isinstance(neck, (list, tuple)) else [neck]):
+    src_neck = (source.model.get('neck') if source is not None else None) or []
+    src_necks = src_neck if isinstance(src_neck, (list, tuple)) else [src_neck]
+    for i, n in enumerate(neck if isinstance(neck, (list, tuple)) else [neck]):
         try:
             MODELS.build(copy.deepcopy(n))
         except Exception as exc:  # noqa: BLE001 -- reported as the reason
+            if i < len(src_necks):
+                try:
+                    MODELS.build(copy.deepcopy(src_necks[i]))
+                except Exception as src_exc:  # noqa: BLE001
+                    raise SwapError(
+                        f'neck {_strip_scope(n.get("type"))} does not build here, not even '
+                        f"as the source config writes it: {type(src_exc).__name__}: "
+                        f'{src_exc} (the source needs code that is not installed here)'
+                    ) from src_exc
             raise SwapError(
                 f'neck {_strip_scope(n.get("type"))} does not build with in_channels '
                 f'{list(_as_list(n.get("in_channels", [])))} of the new backbone: '
@@ -726,7 +756,7 @@ def swap_backbone(src: str, backbone: str, out: Optional[str] = None,
     plan = plan_swap(cfg, base, spec, checkpoint)
     text = render_config(plan)
     merged = check_rendered(text, plan)
-    check_neck_builds(merged)
+    check_neck_builds(merged, cfg)
     if out is not None:
         os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
         tmp = f'{out}.tmp{os.getpid()}'

@@ -49,6 +49,8 @@ UPSTREAM = [
     ('mmdet::maskformer/maskformer_r50_ms-16xb1-75e_coco.py', 'flatten-pvt-v2-b0'),
     ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     ('mmseg::maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    # CenterNet's CTResNetNeck reads the last of the maps (one in_channels)
+    ('mmdet::centernet/centernet_r18_8xb16-crop512-140e_coco.py', 'flatten-pvt-v2-b0'),
     # no tensor-mode forward in mmdet: the predict graph runs (HTC's semantic head,
     # Cascade RPN)
     ('mmdet::htc/htc_r50_fpn_1x_coco.py', 'flatten-pvt-v2-b0'),
@@ -76,6 +78,8 @@ def _readers(cfg):
     model = cfg.model
     if model.get('neck') is not None:
         neck = model.neck[0] if isinstance(model.neck, list) else model.neck
+        if neck.type == 'CTResNetNeck':  # one in_channels: the last map
+            return {'neck': (neck.in_channels, -1)}
         chans = [neck.in_channels] if isinstance(neck.in_channels, int) else neck.in_channels
         return {'neck': list(chans)[::-1] if neck.type == 'YOLOV3Neck' else list(chans)}
     for key in ('panoptic_head', 'track_head'):
@@ -261,6 +265,18 @@ def test_sima_backbone_gets_the_maps_a_three_map_neck_reads():
     ('mmseg::dpt/dpt_vit-b16_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0',
      r'^the source backbone \(VisionTransformer\) returns all its 4 maps at stride 16: a '
      'single-stride'),
+    # DC5: the heads read ResNet's single dilated map
+    ('mmdet::faster_rcnn/faster-rcnn_r50-caffe-dc5_1x_coco.py', 'flatten-pvt-v2-b0',
+     r'^the detector \(FasterRCNN\) has no neck and its heads \(rpn_head, roi_head\) read '
+     r'the single map of the source backbone, at stride 16 \(a C4 / DC5 model'),
+    # a change-detection Swin takes the two images of a pair stacked (6 channels)
+    ('mmseg::swin/swin-tiny-patch4-window7_upernet_1xb8-20k_levir-256x256.py',
+     'flatten-pvt-v2-b0', r'^the source backbone \(SwinTransformer\) takes 6-channel images '
+     r'\(in_channels=6'),
+    # its neck (a project's FPN with force_grad_on_level) does not build here at all
+    ('mmdet::v3det/fcos_swinb_fpn_8x4_sample1e-3_mstrain_v3det_2x.py', 'flatten-pvt-v2-b0',
+     r"^neck FPN does not build here, not even as the source config writes it: TypeError: "
+     r".*'force_grad_on_level'"),
     ('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py', 'flatten-pvt-v9', 'unknown backbone'),
     ('mmdet::mask_rcnn/no-such-config.py', 'flatten-pvt-v2-b0', 'config not found'),
 ])
