@@ -339,6 +339,37 @@ def _neckless_mmdet(model: dict, strides, channels, overrides: dict, notes: List
         'without a neck')
 
 
+def _adapt_mmseg_head(head: dict, what: str, strides, channels, notes: List[str]) -> dict:
+    """The overrides of one mmseg decode / auxiliary head: ``in_channels`` for the maps its
+    ``in_index`` selects (MaskFormer-style heads: every map; K-Net's
+    ``IterativeDecodeHead``: those of its ``kernel_generate_head``)."""
+    htype = _strip_scope(head.get('type'))
+    if not _uses_in_index(head.get('type')):
+        return _adapt_all_maps_head(head, what, strides, channels, notes)
+    if 'in_channels' not in head and isinstance(head.get('kernel_generate_head'), dict):
+        # K-Net: the kernel update heads refine what the kernel generator reads
+        return dict(kernel_generate_head=_adapt_mmseg_head(
+            head['kernel_generate_head'], f'{what}.kernel_generate_head', strides,
+            channels, notes))
+    in_index = head.get('in_index', -1)
+    idx = _normalise_indices(in_index, len(strides))
+    if any(not 0 <= i < len(strides) for i in idx):
+        raise SwapError(f'{what} ({htype}) reads in_index {in_index} but the '
+                        f'backbone returns {len(strides)} maps')
+    if 'in_channels' not in head:
+        raise SwapError(f'{what} ({htype}) has no in_channels to adapt')
+    new = _map_channels(head['in_channels'], idx, channels, f'{what} ({htype})')
+    update = dict(in_channels=new)
+    notes.append(f'{what} {htype}: in_channels {head["in_channels"]} -> {new} '
+                 f'(in_index {in_index})')
+    if htype == 'FCNHead' and head.get('num_convs', 2) == 0 and isinstance(new, int):
+        # no convs (Segmenter's linear head): FCNHead asserts channels == in_channels
+        update['channels'] = new
+        notes.append(f'{what} {htype}: channels {head.get("channels")} -> {new} '
+                     '(num_convs=0: the classifier reads the map itself)')
+    return update
+
+
 def _mmseg_heads(model: dict, strides, channels, overrides: dict, notes: List[str]) -> None:
     for key in ('decode_head', 'auxiliary_head'):
         heads = model.get(key)
@@ -348,27 +379,7 @@ def _mmseg_heads(model: dict, strides, channels, overrides: dict, notes: List[st
         new_heads = []
         for k, head in enumerate(heads if is_list else [heads]):
             what = f'{key}[{k}]' if is_list else key
-            htype = _strip_scope(head.get('type'))
-            if not _uses_in_index(head.get('type')):
-                new_heads.append(_adapt_all_maps_head(head, what, strides, channels, notes))
-                continue
-            in_index = head.get('in_index', -1)
-            idx = _normalise_indices(in_index, len(strides))
-            if any(not 0 <= i < len(strides) for i in idx):
-                raise SwapError(f'{what} ({htype}) reads in_index {in_index} but the '
-                                f'backbone returns {len(strides)} maps')
-            if 'in_channels' not in head:
-                raise SwapError(f'{what} ({htype}) has no in_channels to adapt')
-            new = _map_channels(head['in_channels'], idx, channels, f'{what} ({htype})')
-            update = dict(in_channels=new)
-            notes.append(f'{what} {htype}: in_channels {head["in_channels"]} -> {new} '
-                         f'(in_index {in_index})')
-            if htype == 'FCNHead' and head.get('num_convs', 2) == 0 and isinstance(new, int):
-                # no convs (Segmenter's linear head): FCNHead asserts channels == in_channels
-                update['channels'] = new
-                notes.append(f'{what} {htype}: channels {head.get("channels")} -> {new} '
-                             '(num_convs=0: the classifier reads the map itself)')
-            new_heads.append(update)
+            new_heads.append(_adapt_mmseg_head(head, what, strides, channels, notes))
         if is_list:  # lists are replaced, not merged
             full = [copy.deepcopy(dict(h)) for h in heads]
             for h, n in zip(full, new_heads):

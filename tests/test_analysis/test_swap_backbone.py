@@ -49,6 +49,8 @@ UPSTREAM = [
     ('mmdet::maskformer/maskformer_r50_ms-16xb1-75e_coco.py', 'flatten-pvt-v2-b0'),
     ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     ('mmseg::maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    # K-Net: the kernel generator (UPerHead) of IterativeDecodeHead reads the maps
+    ('mmseg::knet/knet-s3_swin-t_upernet_8xb2-adamw-80k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     # CenterNet's CTResNetNeck reads the last of the maps (one in_channels)
     ('mmdet::centernet/centernet_r18_8xb16-crop512-140e_coco.py', 'flatten-pvt-v2-b0'),
     # no tensor-mode forward in mmdet: the predict graph runs (HTC's semantic head,
@@ -89,6 +91,8 @@ def _readers(cfg):
     for key in ('decode_head', 'auxiliary_head'):
         heads = model.get(key)
         for i, h in enumerate(heads if isinstance(heads, list) else [heads] if heads else []):
+            if h.type == 'IterativeDecodeHead':  # K-Net: its kernel generator reads them
+                h = h.kernel_generate_head
             if h.type in _ALL_MAPS_HEADS:
                 out[f'{key}{i}'] = list(h.in_channels)
             else:
