@@ -70,7 +70,6 @@ UNSUPPORTED_HEADS = {
 #: necks that cannot be adapted (and why)
 UNSUPPORTED_NECKS = {
     'RFP': 'the recursive FPN feeds features back into a DetectoRS ResNet',
-    'HRFPN': 'HRFPN expects HRNet branches',
 }
 
 

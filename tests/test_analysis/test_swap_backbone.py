@@ -49,6 +49,8 @@ UPSTREAM = [
     ('mmdet::maskformer/maskformer_r50_ms-16xb1-75e_coco.py', 'flatten-pvt-v2-b0'),
     ('mmseg::mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     ('mmseg::maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
+    # HRFPN upsamples map i by 2**i and concatenates: any pyramid at strides 4-32
+    ('mmdet::hrnet/cascade-mask-rcnn_hrnetv2p-w18_20e_coco.py', 'flatten-swin-t'),
     # K-Net: the kernel generator (UPerHead) of IterativeDecodeHead reads the maps
     ('mmseg::knet/knet-s3_swin-t_upernet_8xb2-adamw-80k_ade20k-512x512.py', 'flatten-pvt-v2-b0'),
     # CenterNet's CTResNetNeck reads the last of the maps (one in_channels)
@@ -246,8 +248,8 @@ def test_sima_backbone_gets_the_maps_a_three_map_neck_reads():
      r'^the source backbone \(MAE\) returns all its 4 maps at stride 16 \(measured at '
      r'512x512, the size it is built for: it cannot run a 128x160 image.*\): a '
      r'single-stride backbone such as a plain ViT'),
-    ('mmdet::hrnet/cascade-mask-rcnn_hrnetv2p-w18_20e_coco.py', 'flatten-swin-t',
-     'neck HRFPN cannot be adapted: HRFPN expects HRNet branches'),
+    ('mmdet::detectors/cascade-rcnn_r50-rfp_1x_coco.py', 'flatten-swin-t',
+     'neck RFP cannot be adapted: the recursive FPN feeds features back into a DetectoRS'),
     # a backbone of an uninstalled scope whose geometry is not known exactly
     ('mmdet::timm_example/retinanet_timm-tv-resnet50_fpn_1x_coco.py', 'flatten-pvt-v2-b0',
      r"backbone 'mmpretrain.TIMMBackbone': it is registered by mmpretrain, which is not "
