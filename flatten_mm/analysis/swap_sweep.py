@@ -222,8 +222,9 @@ def check_adapted(row, cfg: Config, src: str, size: int = 128, train: bool = Tru
     everything passed).
 
     The checks run at ``size`` (a config's own ``input_size`` where it has one, SSD),
-    and again at twice that when they fail there (DETR-likes select more queries than a
-    128x128 image has tokens; deformable convs need larger maps). A failure that the
+    and again at twice and four times that when they fail there (DETR-likes select more
+    queries than a 128x128 image has tokens; deformable convs and DDOD's head need
+    larger maps). A failure that the
     unswapped source config ``src`` (``scope::family/file.py``) shows too, at the same
     size, is ``source-fails`` (a limitation of mmdet / mmseg on this machine, not of the
     swap); a missing optional package ``needs-package``; an mmcv op without a CPU kernel
@@ -234,7 +235,7 @@ def check_adapted(row, cfg: Config, src: str, size: int = 128, train: bool = Tru
     """
     from .swap import load_source_config
     isize = cfg.get('input_size')
-    sizes = [isize] if isinstance(isize, int) else [size, 2 * size]
+    sizes = [isize] if isinstance(isize, int) else [size, 2 * size, 4 * size]
     for n in sizes:
         stage, exc, rep = _check(cfg, (n, n), train, time_limit)
         if stage == '' or _missing_package(exc) or _needs_gpu(exc):
