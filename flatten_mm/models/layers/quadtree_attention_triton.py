@@ -127,21 +127,12 @@ def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
 
 
 @triton.jit
-def _qt_final_b_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, out_ptr, stats_ptr,
-                    H, L, K, D,
-                    sqb, sqh, sql, sqf, sqd,
-                    skb, skh, skm, skd,
-                    svb, svh, svm, svd,
-                    scb, sch, scl, sck,
-                    sob, soh, sol, sof, sod,
-                    F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """Variant B's final level fused: ``out[l, f] = softmax_k(<q[l, f], key[cand[l, k]]>)
-    @ value[cand[l]]`` for ``BLOCK_P`` parents of one (batch, head) pair; the ``4K``
-    candidates of a parent fit one tile, so the softmax is exact in registers (no scores
-    written). Stores the softmax statistics ``stats[bh, l, f] = (max, sum of exp)`` (float32)
-    for the backward pass (two numbers, not the log-sum-exp: ``exp(s - max) / sum`` keeps
-    the rounding error of the weights independent of the score magnitude)."""
+def _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D,
+                 skb, skh, skm, skd, svb, svh, svm, svd, scb, sch, scl, sck,
+                 BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program's (batch, head) pair and parents, their masks, and the candidate
+    key / value rows of those parents gathered into float32 registers (shared by the
+    fused final level's forward and backward)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -161,6 +152,29 @@ def _qt_final_b_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, out_ptr, stats_ptr,
                  mask=pkd_mask, other=0.).to(tl.float32)
     vg = tl.load(v_ptr + b * svb + hh * svh + cand[:, :, None] * svm + dd[None, None, :] * svd,
                  mask=pkd_mask, other=0.).to(tl.float32)
+    return (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
+            vg)
+
+
+@triton.jit
+def _qt_final_b_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, out_ptr, stats_ptr,
+                    H, L, K, D,
+                    sqb, sqh, sql, sqf, sqd,
+                    skb, skh, skm, skd,
+                    svb, svh, svm, svd,
+                    scb, sch, scl, sck,
+                    sob, soh, sol, sof, sod,
+                    F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Variant B's final level fused: ``out[l, f] = softmax_k(<q[l, f], key[cand[l, k]]>)
+    @ value[cand[l]]`` for ``BLOCK_P`` parents of one (batch, head) pair; the ``4K``
+    candidates of a parent fit one tile, so the softmax is exact in registers (no scores
+    written). Stores the softmax statistics ``stats[bh, l, f] = (max, sum of exp)`` (float32)
+    for the backward pass (two numbers, not the log-sum-exp: ``exp(s - max) / sum`` keeps
+    the rounding error of the weights independent of the score magnitude)."""
+    (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
+     vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
+                        svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
     q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
     o_base = out_ptr + b * sob + hh * soh + par64[:, None] * sol + dd[None, :] * sod
     stats_base = stats_ptr + bh.to(tl.int64) * L * F * 2 + par64 * F * 2
@@ -194,25 +208,9 @@ def _qt_final_b_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, g_ptr, dq_ptr, dk_
         p = exp(s - max) / sum; dp = g . v; ds = p (dp - sum_k p dp)   (sum_k p dp = g . out)
         dq = ds @ k_cand;  dk[cand] += ds^T q;  dv[cand] += p^T g
     """
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    hh = (bh % H).to(tl.int64)
-    par = pid * BLOCK_P + tl.arange(0, BLOCK_P)
-    kk = tl.arange(0, BLOCK_K)
-    dd = tl.arange(0, BLOCK_D)
-    pmask = par < L
-    kmask = kk < K
-    pk_mask = pmask[:, None] & kmask[None, :]
-    pd_mask = pmask[:, None] & (dd < D)[None, :]
-    pkd_mask = pk_mask[:, :, None] & (dd < D)[None, None, :]
-    par64 = par.to(tl.int64)
-    cand = tl.load(cand_ptr + b * scb + hh * sch + par64[:, None] * scl + kk[None, :] * sck,
-                   mask=pk_mask, other=0).to(tl.int64)
-    kg = tl.load(k_ptr + b * skb + hh * skh + cand[:, :, None] * skm + dd[None, None, :] * skd,
-                 mask=pkd_mask, other=0.).to(tl.float32)
-    vg = tl.load(v_ptr + b * svb + hh * svh + cand[:, :, None] * svm + dd[None, None, :] * svd,
-                 mask=pkd_mask, other=0.).to(tl.float32)
+    (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
+     vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
+                        svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
     dk = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
     q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
