@@ -1,8 +1,9 @@
 """The Triton kernels of QuadTree attention (``quadtree_attention_triton``: gathered
-scores, gathered messages, B's fused final level) on the CPU, under Triton's interpreter:
-forward and gradients against the PyTorch path (``_GatheredMatmul``) and a float64 gather
-reference, the whole core (A and B, training and inference paths) with the kernels on and
-off, the switches, the custom-op registration, and a compile for sm_90 without a GPU.
+scores, gathered messages, the fused final level of variants B and A) on the CPU, under
+Triton's interpreter: forward and gradients against the PyTorch path (``_GatheredMatmul``)
+and a float64 gather reference, the whole core (A and B, training and inference paths)
+with the kernels on and off, the switches, the custom-op registration, and a compile for
+sm_90 without a GPU.
 
 As in test_fla_triton.py, ``TRITON_INTERPRET=1`` is set before the kernel module is
 imported (Triton decides at decoration time) and around each test. Never skipped: without
@@ -53,10 +54,11 @@ def _gather(src, index):
     return src[torch.arange(B).view(B, 1, 1, 1), torch.arange(h).view(1, h, 1, 1), index]
 
 
-#: the three kernels: gathered scores, gathered messages, B's fused final level; each as
-#: (kernel, PyTorch path, reference): the PyTorch path is the operator's (chunks of 2
-#: parents, so several chunks run), the reference a float64 gather by advanced indexing,
-#: independent of both
+#: the four kernels: gathered scores, gathered messages, the fused final level of B and of
+#: A; each as (kernel, PyTorch path, reference): the PyTorch path is the operator's (chunks
+#: of 2 parents, so several chunks run), the reference a float64 gather by advanced
+#: indexing, independent of both. ``src`` holds the key table (and the value table for the
+#: final levels, and A's prev_score ``(B, h, L, K / 4)`` third)
 KINDS = {
     'scores': (
         lambda a, src, index: qt.gathered_scores_triton(a, src[0], index),
@@ -73,7 +75,21 @@ KINDS = {
             False, 2),
         lambda a, src, index: (a @ _gather(src[0], index).transpose(-1, -2)).softmax(-1)
         @ _gather(src[1], index)),
+    'final-a': (
+        lambda a, src, index: qt.final_level_a_triton(a, src[0], src[1], index, src[2]),
+        lambda a, src, index: qa._GatheredMatmul.apply(
+            _grouped_weights(qa._GatheredMatmul.apply(a, src[0], index, True, 2), src[2]),
+            src[1], index, False, 2),
+        lambda a, src, index: _grouped_weights(
+            a @ _gather(src[0], index).transpose(-1, -2), src[2]) @ _gather(src[1], index)),
 }
+
+
+def _grouped_weights(scores, prev_score):
+    """Variant A's final-level weights, as ``quadtree_attention_core`` computes them:
+    softmax within groups of 4 consecutive candidates, times the parent's prev_score."""
+    attn = torch.softmax(scores.unflatten(-1, (prev_score.shape[-1], 4)), -1)
+    return (attn * prev_score[:, :, :, None, :, None]).flatten(-2)
 
 
 def _run(fn, a, srcs, index, grad, dtype):
@@ -93,7 +109,9 @@ def _problem(B, h, L, nf, M, d, K, kind, seed=0, index=None):
     a = torch.randn(B, h, L, nf, K if kind == 'messages' else d, generator=_gen(seed),
                     dtype=torch.float64)
     srcs = [torch.randn(B, h, M, d, generator=_gen(seed + 1 + i), dtype=torch.float64)
-            for i in range(2 if kind == 'final-b' else 1)]
+            for i in range(2 if kind.startswith('final') else 1)]
+    if kind == 'final-a':  # prev_score: positive weights of the K / 4 candidate parents
+        srcs.append(torch.rand(B, h, L, K // 4, generator=_gen(seed + 4), dtype=torch.float64))
     if index is None:
         index = torch.randint(0, M, (B, h, L, K), generator=_gen(seed + 5))
     grad = torch.randn(B, h, L, nf, K if kind == 'scores' else d, generator=_gen(seed + 6),
@@ -106,8 +124,9 @@ def _max_rel(a, b):
 
 
 # (B, h, L, F, M, d, K): several heads and odd L (a masked tail in the 2-parent blocks),
-# K and d not powers of two (masked lanes), few key rows (every row chosen by many parents
-# and, in the first case, repeated inside a parent: the atomic adds must accumulate)
+# K and d not powers of two (masked lanes; for A also padded groups of 4), few key rows
+# (every row chosen by many parents and, in the first case, repeated inside a parent and
+# inside a group of 4: the atomic adds must accumulate)
 CASES = {
     'dup-rows-3-heads-odd-L': (2, 3, 7, 4, 5, 8, 12),
     'd24-K20': (1, 2, 5, 4, 40, 24, 20),
@@ -126,7 +145,8 @@ def test_forward_and_gradients_match_float64_and_torch_path(case, kind):
     ref = _run(reference, a, srcs, index, grad, torch.float64)
     ours = _run(kernel, a, srcs, index, grad, torch.float32)
     torch_out = _run(torch_path, a, srcs, index, grad, torch.float32)
-    for name, x, t, r in zip(('out', 'da', 'dsrc', 'dsrc2'), ours, torch_out, ref):
+    assert len(ours) == 2 + len(srcs)
+    for name, x, t, r in zip(('out', 'da', 'dsrc', 'dsrc2', 'dprev'), ours, torch_out, ref):
         assert _max_rel(x, r) < _FP32_BOUND, (name, _max_rel(x, r))
         assert _max_rel(t, r) < _FP32_BOUND, (name, _max_rel(t, r))
         assert _max_rel(x, t) < _FP32_BOUND, (name, _max_rel(x, t))
@@ -143,10 +163,13 @@ def test_all_parents_on_two_rows_accumulate(kind):
     a, srcs, index, grad = _problem(B, h, L, nf, M, d, K, kind, seed=5, index=index)
     ours = _run(kernel, a, srcs, index, grad, torch.float32)
     ref = _run(reference, a, srcs, index, grad, torch.float64)
-    for dsrc, r in zip(ours[2:], ref[2:]):
+    tables = 2 if kind.startswith('final') else 1
+    for dsrc, r in zip(ours[2:2 + tables], ref[2:2 + tables]):
         assert dsrc[:, :, [1, 3]].abs().min() > 1e-3
         assert torch.equal(dsrc[:, :, [0, 2, 4, 5]], torch.zeros_like(dsrc[:, :, :4]))
         assert _max_rel(dsrc, r) < _FP32_BOUND
+    for x, r in zip(ours[2 + tables:], ref[2 + tables:]):  # A's prev_score
+        assert _max_rel(x, r) < _FP32_BOUND
 
 
 @pytest.mark.parametrize('kind', list(KINDS))
@@ -154,13 +177,14 @@ def test_non_contiguous_inputs(kind):
     """``a`` as a permuted view, the tables as the head split of channels-last tokens (as
     ``_to_heads`` makes them), ``index`` as a strided slice: read through their strides,
     bit-identical results to contiguous copies."""
-    B, h, L, nf, M, d, K = 2, 2, 5, 4, 9, 8, 6
+    B, h, L, nf, M, d, K = 2, 2, 5, 4, 9, 8, 8 if kind == 'final-a' else 6
     kernel, _, reference = KINDS[kind]
     a, srcs, index, grad = _problem(B, h, L, nf, M, d, K, kind, seed=9)
     a = a.float().transpose(2, 3).contiguous().transpose(2, 3)
     srcs = [s.float().transpose(1, 2).contiguous().transpose(1, 2) for s in srcs]
     index = torch.stack([index, index], -1).flatten(-2)[..., ::2]
-    assert not (a.is_contiguous() or srcs[0].is_contiguous() or index.is_contiguous())
+    assert not (a.is_contiguous() or index.is_contiguous()
+                or any(s.is_contiguous() for s in srcs))
     out = _run(kernel, a, srcs, index, grad, torch.float32)
     ref = _run(kernel, a.contiguous(), [s.contiguous() for s in srcs], index.contiguous(),
                grad, torch.float32)
@@ -186,7 +210,7 @@ def test_half_inputs_accumulate_in_float32(dtype, kind):
     ref = _run(reference, a, srcs, index, grad, torch.float64)
     ours = _run(kernel, a, srcs, index, grad, dtype)
     u = _UNIT_ROUNDOFF[dtype]
-    for name, x, r in zip(('out', 'da', 'dsrc', 'dsrc2'), ours, ref):
+    for name, x, r in zip(('out', 'da', 'dsrc', 'dsrc2', 'dprev'), ours, ref):
         bound = u * r.abs() + 1e-5 * r.abs().max()
         assert ((x - r).abs() <= bound).all(), (name, ((x - r).abs() - bound).max().item())
 
@@ -204,7 +228,8 @@ def _pyramids(B, C, hw, levels, seed):
 
 def _count_kernel_calls(monkeypatch):
     calls = []
-    for name in ('gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton'):
+    for name in ('gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
+                 'final_level_a_triton'):
         real = getattr(qt, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -250,14 +275,15 @@ def test_core_with_kernels_matches_pytorch_path(attn_type, levels, hw, heads, to
             inf = qa.quadtree_attention_core(qs, ks, vs, heads, topks, attn_type, weight,
                                              lepes, use_triton=flag)
         results[flag] = (out.detach(), grads, inf)
-    # per run: scores + messages per non-final finer level, and for the final level the
-    # fused kernel (B) or scores + messages (A); training and inference
-    per_run = 2 * (levels - 2) + (1 if attn_type == 'B' else 2)
-    assert len(calls) == 2 * per_run, calls
+    # per run: scores + messages per non-final finer level, and the fused kernel of the
+    # variant for the final level; training and inference
+    final = f'final_level_{attn_type.lower()}_triton'
+    assert calls == (['gathered_scores_triton', 'gathered_messages_triton'] * (levels - 2)
+                     + [final]) * 2, calls
     assert min(margins) > 1e-4, min(margins)
     (out_t, grads_t, inf_t), (out_p, grads_p, inf_p) = results[True], results[False]
     scale = out_p.abs().max()
-    # observed (relative to the largest value): outputs <= 2.2e-7, gradients <= 2.5e-7;
+    # observed (relative to the largest value): outputs <= 2.2e-7, gradients <= 3.4e-7;
     # the kernels' inference and training outputs are identical
     torch.testing.assert_close(out_t, out_p, rtol=0, atol=3e-6 * scale)
     torch.testing.assert_close(inf_t, inf_p, rtol=0, atol=3e-6 * scale)
@@ -339,6 +365,17 @@ def test_invalid_and_refused_values():
         qa.gathered_messages(big, torch.zeros(1, 1, 3, 64), torch.zeros(1, 1, 2, 129,
                                                                          dtype=torch.long),
                              use_triton=True)
+    # variant A's fused final level: groups of 4 candidates, prev_score (B, h, L, K / 4)
+    # in the query dtype
+    q, srcs, index, _ = _problem(1, 2, 3, 4, 8, 4, 8, 'final-a')
+    q, k, v, ps = (t.float() for t in [q] + srcs)
+    qt.final_level_a_triton(q, k, v, index, ps)  # (accepted as made)
+    for args, match in (((q, k, v, index[..., :6], ps), 'not groups of 4'),
+                        ((q, k, v, index, ps[..., :1]), 'prev_score'),
+                        ((q, k, v, index, ps.double()), 'prev_score dtype'),
+                        ((q, k, v[:, :, :5], index, ps), 'does not match key')):
+        with pytest.raises(ValueError, match=match):
+            qt.final_level_a_triton(*args)
 
 
 def test_backbone_attn_cfg_reaches_the_operator():
@@ -353,16 +390,17 @@ def test_backbone_attn_cfg_reaches_the_operator():
 
 # --------------------------------------------------------------------------- registration
 _OPS = {'scores': 'qt_gathered_scores', 'messages': 'qt_gathered_messages',
-        'final-b': 'qt_final_level_b'}
+        'final-b': 'qt_final_level_b', 'final-a': 'qt_final_level_a'}
 
 
 @pytest.mark.parametrize('kind', list(KINDS))
 def test_custom_op_registration(kind):
     """Schema, fake (meta) implementation and autograd registration of
     ``flatten_mm::qt_gathered_scores`` / ``qt_gathered_messages`` / ``qt_final_level_b``
-    (``opcheck``)."""
-    a, srcs, index, _ = _problem(1, 2, 3, 4, 8, 4, 5, kind)
-    args = [t.float().requires_grad_(True) for t in [a] + srcs] + [index]
+    / ``qt_final_level_a`` (``opcheck``)."""
+    a, srcs, index, _ = _problem(1, 2, 3, 4, 8, 4, 8 if kind == 'final-a' else 5, kind)
+    args = [t.float().requires_grad_(True) for t in [a] + srcs]
+    args.insert(3 if kind == 'final-a' else len(args), index)  # A: (q, k, v, index, prev)
     op = getattr(torch.ops.flatten_mm, _OPS[kind])
     torch.library.opcheck(op.default, tuple(args),
                           test_utils=('test_schema', 'test_autograd_registration',
@@ -394,9 +432,11 @@ def test_dynamo_sees_one_node_each():
     assert torch.equal(out, f(a, src, index))
 
 
-def test_module_compiles_to_one_graph_with_the_ops():
+@pytest.mark.parametrize('attn_type', ['B', 'A'])
+def test_module_compiles_to_one_graph_with_the_ops(attn_type):
     """``torch.compile(fullgraph=True)`` of the whole operator with the kernels: one graph
-    (no break), holding the three custom ops, with the eager output."""
+    (no break), holding the three custom ops (the variant's fused final level last), with
+    the eager output."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -404,13 +444,13 @@ def test_module_compiles_to_one_graph_with_the_ops():
         return gm.forward
 
     torch.manual_seed(0)
-    m = QuadTreeAttention(16, 2, attn_type='B', num_levels=3, topk=4, use_triton=True)
+    m = QuadTreeAttention(16, 2, attn_type=attn_type, num_levels=3, topk=4, use_triton=True)
     x = torch.randn(2, 8 * 12, 16)
     out = torch.compile(m, backend=backend, fullgraph=True)(x, (8, 12))
     assert len(graphs) == 1
     ops = [str(n.target) for n in graphs[0].graph.nodes if 'flatten_mm' in str(n.target)]
     assert ops == ['flatten_mm.qt_gathered_scores', 'flatten_mm.qt_gathered_messages',
-                   'flatten_mm.qt_final_level_b'], ops
+                   f'flatten_mm.qt_final_level_{attn_type.lower()}'], ops
     assert torch.equal(out, m(x, (8, 12)))
 
 
@@ -431,8 +471,8 @@ print(json.dumps(done))
 
 
 def test_kernels_compile_for_sm90_without_gpu(tmp_path):
-    """The six launches (scores / messages / fused final level, forward / backward), fp32
-    and bf16, as
+    """The eight launches (scores / messages / fused final level B and A, forward /
+    backward), fp32 and bf16, as
     QuadTree-B-b0's levels make them (4K = 128 candidates, d = 32), compile to sm_90
     cubins (not interpreted: a subprocess without TRITON_INTERPRET, empty kernel cache).
     What the interpreter cannot catch (typing / layout errors of the compiled language)
@@ -447,7 +487,7 @@ def test_kernels_compile_for_sm90_without_gpu(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     done = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(done) == 12 and all(n > 0 for _, _, n in done), done
+    assert len(done) == 16 and all(n > 0 for _, _, n in done), done
 
 
 # --------------------------------------------------------------------------- GPU check tool
@@ -565,7 +605,7 @@ def test_gpu_check_tool_quadtree_check_fails_a_broken_kernel(monkeypatch):
 
 def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
     """``gpu_kernel_check.py --aot 90 --kernels quadtree`` for QuadTree-B-b1's first stage
-    (4K = 128 candidates, d = 64), fp32: the six launches compile to sm_90 cubins with
+    (4K = 128 candidates, d = 64), fp32: the eight launches compile to sm_90 cubins with
     Triton's bundled ptxas (not interpreted, empty kernel cache), registers and spills
     recorded, and the d = 64 launch configs hold (``_gathered_warps``: 32 warps for the
     scatter launches; messages backward without spills, scores backward 92 B instead of
@@ -585,7 +625,8 @@ def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
     assert report['passed'] and report['target'] == 'cuda sm_90'
     recs = {r['function']: r for r in report['records']}
     assert sorted(recs) == sorted(['scores', 'scores_backward', 'messages', 'messages_backward',
-                                   'final_level_b', 'final_level_b_backward'])
+                                   'final_level_b', 'final_level_b_backward',
+                                   'final_level_a', 'final_level_a_backward'])
     for r in recs.values():
         assert r['kernel'] == 'quadtree' and r['cubin_bytes'] > 0, r
         assert r['registers'] is not None and r['spill_store_bytes'] is not None, r
@@ -594,7 +635,8 @@ def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
         assert recs[name]['options']['num_warps'] == 32
     assert recs['messages_backward']['spill_store_bytes'] == 0
     assert recs['scores_backward']['spill_store_bytes'] < 260
-    for name in ('scores', 'messages', 'final_level_b'):  # the forward launches do not spill
+    # the forward launches do not spill
+    for name in ('scores', 'messages', 'final_level_b', 'final_level_a'):
         assert recs[name]['spill_store_bytes'] == 0, recs[name]
 
 

@@ -37,8 +37,8 @@ Implementation notes:
   failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
 * On CUDA the finer levels' gathered scores and messages (forward and backward) run as
   Triton kernels (``quadtree_attention_triton``: no gathered key/value rows in memory,
-  the key/value gradients by atomic scatter-add), and variant B's final level as one
-  fused kernel (scores + softmax + messages, no ``(N, 4K)`` tensors), when Triton
+  the key/value gradients by atomic scatter-add), and the final level as one fused
+  kernel (scores + softmax (A: x prev_score) + messages, no ``(N, 4K)`` tensors), when Triton
   imports; inference then takes the batched path with those kernels instead of the
   chunked gathers. ``use_triton=False`` (operator argument, or
   ``attn_cfg=dict(use_triton=False)`` in a backbone) or ``FLATTEN_MM_TRITON=0``
@@ -397,7 +397,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             top-k, the smallest ``(k-th - (k+1)-th) / k-th`` weight gap (parity checks).
         chunk_elements: bound on the gathered elements held at once.
         use_triton: Triton kernels for the finer levels' gathered scores and messages
-            (and B's fused final level): ``None`` auto (on CUDA), ``True`` force,
+            (and the fused final level): ``None`` auto (on CUDA), ``True`` force,
             ``False`` the PyTorch path (``FLATTEN_MM_TRITON=0`` turns them off everywhere).
 
     Returns:
@@ -487,12 +487,14 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
         # (False when the level check said no: the same decision as the branch above)
         level_triton = use_triton if kernels else False
-        if final and attn_type == 'B' and kernels and _use_qt_triton(
+        if final and kernels and _use_qt_triton(
                 level_triton, q, k, cand, scores=True) and _use_qt_triton(
                     level_triton, q, v, cand, scores=True):
-            # scores + softmax + messages in one kernel: no (B, h, L, 4, 4Kp) tensors
-            from .quadtree_attention_triton import final_level_b_triton
-            msg = final_level_b_triton(q, k, v, cand)
+            # scores + softmax (A: x prev_score) + messages in one kernel: no (B, h, L, 4,
+            # 4Kp) tensors
+            from . import quadtree_attention_triton as qt_triton
+            msg = qt_triton.final_level_b_triton(q, k, v, cand) if attn_type == 'B' else \
+                qt_triton.final_level_a_triton(q, k, v, cand, prev_score)
             messages.append(_children_to_raster(msg, (hi, wi)))
             grid = (hi, wi)
             continue

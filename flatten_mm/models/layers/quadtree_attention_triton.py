@@ -32,7 +32,11 @@ its last bits on the GPU (atomics), as ``index_add_`` is on CUDA.
 Custom ops (``torch.library.triton_op``, one ``torch.compile`` node each):
 ``flatten_mm::qt_gathered_scores`` / ``qt_gathered_scores_backward`` and
 ``flatten_mm::qt_gathered_messages`` / ``qt_gathered_messages_backward``, joined by
-``register_autograd``.
+``register_autograd``; the final level fused (scores + softmax + messages, no ``(L, F, K)``
+tensor written): ``flatten_mm::qt_final_level_b`` (softmax over all ``K`` candidates) and
+``flatten_mm::qt_final_level_a`` (softmax within each group of 4 children, scaled by the
+coarser level's ``prev_score``; gradients also for ``prev_score``), each with its
+``_backward`` op.
 
 On CUDA tensors the kernels are compiled by Triton; on CPU tensors they run only under
 Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported), which is
@@ -157,57 +161,98 @@ def _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D,
 
 
 @triton.jit
-def _qt_final_b_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, out_ptr, stats_ptr,
-                    H, L, K, D,
-                    sqb, sqh, sql, sqf, sqd,
-                    skb, skh, skm, skd,
-                    svb, svh, svm, svd,
-                    scb, sch, scl, sck,
-                    sob, soh, sol, sof, sod,
-                    F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """Variant B's final level fused: ``out[l, f] = softmax_k(<q[l, f], key[cand[l, k]]>)
-    @ value[cand[l]]`` for ``BLOCK_P`` parents of one (batch, head) pair; the ``4K``
-    candidates of a parent fit one tile, so the softmax is exact in registers (no scores
-    written). Stores the softmax statistics ``stats[bh, l, f] = (max, sum of exp)`` (float32)
-    for the backward pass (two numbers, not the log-sum-exp: ``exp(s - max) / sum`` keeps
-    the rounding error of the weights independent of the score magnitude)."""
+def _prev_scores(ps_ptr, b, hh, par64, pmask, K, spb, sph, spl, spk,
+                 BLOCK_K: tl.constexpr):
+    """Variant A: the coarser level's score of each candidate parent, ``(BLOCK_P,
+    BLOCK_K // 4)`` float32 (zero for masked parents and padded groups)."""
+    gg = tl.arange(0, BLOCK_K // 4)
+    return tl.load(ps_ptr + b * spb + hh * sph + par64[:, None] * spl + gg[None, :] * spk,
+                   mask=pmask[:, None] & (gg < K // 4)[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _group_softmax(sc, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Variant A: softmax within each group of 4 consecutive candidates (the 4 children of
+    one candidate parent), ``(BLOCK_P, BLOCK_K // 4, 4)``. Padded groups hold finite
+    scores (zero rows), so no ``-inf`` is needed: their weights are zeroed by the zero
+    prev_score."""
+    s = tl.reshape(sc, (BLOCK_P, BLOCK_K // 4, 4))
+    e = tl.exp(s - tl.max(s, axis=2)[:, :, None])
+    return e / tl.sum(e, axis=2)[:, :, None]
+
+
+@triton.jit
+def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, out_ptr, stats_ptr,
+                  H, L, K, D,
+                  sqb, sqh, sql, sqf, sqd,
+                  skb, skh, skm, skd,
+                  svb, svh, svm, svd,
+                  scb, sch, scl, sck,
+                  spb, sph, spl, spk,
+                  sob, soh, sol, sof, sod,
+                  F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr):
+    """The final level fused for ``BLOCK_P`` parents of one (batch, head) pair; the
+    ``K`` candidates of a parent fit one tile, so the softmax is exact in registers (no
+    scores or weights written).
+
+    Variant B (``GROUPED`` false): ``out[l, f] = softmax_k(<q[l, f], key[cand[l, k]]>) @
+    value[cand[l]]``; stores the softmax statistics ``stats[bh, l, f] = (max, sum of exp)``
+    (float32) for the backward pass (two numbers, not the log-sum-exp: ``exp(s - max) /
+    sum`` keeps the rounding error of the weights independent of the score magnitude).
+
+    Variant A (``GROUPED``): the softmax runs within each group of 4 consecutive candidates
+    (``cand[l, 4 j: 4 j + 4]``: the children of candidate parent ``j``, as
+    ``_child_candidates`` orders them) and the weights of group ``j`` are scaled by
+    ``prev_score[l, j]``; nothing is stored besides ``out`` (the backward recomputes the
+    4-wide softmax)."""
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
      vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
                         svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
     q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
     o_base = out_ptr + b * sob + hh * soh + par64[:, None] * sol + dd[None, :] * sod
     stats_base = stats_ptr + bh.to(tl.int64) * L * F * 2 + par64 * F * 2
+    if GROUPED:
+        ps = _prev_scores(ps_ptr, b, hh, par64, pmask, K, spb, sph, spl, spk, BLOCK_K)
     for f in tl.static_range(F):
         qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
         sc = tl.sum(kg * qf[:, None, :], axis=2)  # (BP, BK)
-        sc = tl.where(kmask[None, :], sc, float('-inf'))
-        m = tl.max(sc, axis=1)
-        e = tl.exp(sc - m[:, None])
-        den = tl.sum(e, axis=1)
-        o = tl.sum(vg * e[:, :, None], axis=1) / den[:, None]
+        if GROUPED:
+            w = tl.reshape(_group_softmax(sc, BLOCK_P, BLOCK_K) * ps[:, :, None],
+                           (BLOCK_P, BLOCK_K))
+            o = tl.sum(vg * w[:, :, None], axis=1)
+        else:
+            sc = tl.where(kmask[None, :], sc, float('-inf'))
+            m = tl.max(sc, axis=1)
+            e = tl.exp(sc - m[:, None])
+            den = tl.sum(e, axis=1)
+            o = tl.sum(vg * e[:, :, None], axis=1) / den[:, None]
+            tl.store(stats_base + 2 * f, m, mask=pmask)
+            tl.store(stats_base + 2 * f + 1, den, mask=pmask)
         tl.store(o_base + f * sof, _cast_rne(o, out_ptr.dtype.element_ty), mask=pd_mask)
-        tl.store(stats_base + 2 * f, m, mask=pmask)
-        tl.store(stats_base + 2 * f + 1, den, mask=pmask)
 
 
 @triton.jit
-def _qt_final_b_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, g_ptr, dq_ptr, dk_ptr,
-                    dv_ptr, H, L, K, D, M,
-                    sqb, sqh, sql, sqf, sqd,
-                    skb, skh, skm, skd,
-                    svb, svh, svm, svd,
-                    scb, sch, scl, sck,
-                    sgb, sgh, sgl, sgf, sgd,
-                    F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """Backward of ``_qt_final_b_fwd`` (recomputes the weights from ``stats``):
-    ``dq`` (contiguous, input dtype) and float32 atomic scatter-adds into ``dk`` / ``dv``
-    (contiguous ``(B, h, M, d)``)::
+def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_ptr, dk_ptr,
+                  dv_ptr, dps_ptr, H, L, K, D, M,
+                  sqb, sqh, sql, sqf, sqd,
+                  skb, skh, skm, skd,
+                  svb, svh, svm, svd,
+                  scb, sch, scl, sck,
+                  spb, sph, spl, spk,
+                  sgb, sgh, sgl, sgf, sgd,
+                  F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr):
+    """Backward of ``_qt_final_fwd``: ``dq`` (contiguous, input dtype) and float32 atomic
+    scatter-adds into ``dk`` / ``dv`` (contiguous ``(B, h, M, d)``)::
 
-        p = exp(s - max) / sum; dp = g . v; ds = p (dp - sum_k p dp)   (sum_k p dp = g . out)
-        dq = ds @ k_cand;  dk[cand] += ds^T q;  dv[cand] += p^T g
-    """
+        B: p = exp(s - max) / sum (from stats); dp = g . v; ds = p (dp - sum_k p dp)
+        A: p = softmax over the group (recomputed); w = p ps; dp = g . v;
+           t_j = sum_{k in j} p dp;  ds = ps p (dp - t_j);  dps[l, j] = sum_f t_j
+        dq = ds @ k_cand;  dk[cand] += ds^T q;  dv[cand] += w^T g   (B: w = p)
+
+    A also writes ``dps`` (contiguous ``(B, h, L, K / 4)``, the prev_score dtype): each
+    parent's groups belong to one program, so no atomics there."""
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
      vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
                         svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
@@ -217,16 +262,27 @@ def _qt_final_b_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, g_ptr, dq_ptr, dk_
     g_base = g_ptr + b * sgb + hh * sgh + par64[:, None] * sgl + dd[None, :] * sgd
     dq_base = dq_ptr + bh.to(tl.int64) * L * F * D + par64[:, None] * F * D + dd[None, :]
     stats_base = stats_ptr + bh.to(tl.int64) * L * F * 2 + par64 * F * 2
+    if GROUPED:
+        ps = _prev_scores(ps_ptr, b, hh, par64, pmask, K, spb, sph, spl, spk, BLOCK_K)
+        dps = tl.zeros((BLOCK_P, BLOCK_K // 4), tl.float32)
     for f in tl.static_range(F):
         qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
         gf = tl.load(g_base + f * sgf, mask=pd_mask, other=0.).to(tl.float32)
-        m = tl.load(stats_base + 2 * f, mask=pmask, other=0.)
-        den = tl.load(stats_base + 2 * f + 1, mask=pmask, other=1.)
         sc = tl.sum(kg * qf[:, None, :], axis=2)
-        p = tl.where(pk_mask, tl.exp(sc - m[:, None]) / den[:, None], 0.)  # (BP, BK)
         dp = tl.sum(vg * gf[:, None, :], axis=2)
-        # (g . out from the float32 weights, not from the stored, rounded output)
-        ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+        if GROUPED:
+            p3 = _group_softmax(sc, BLOCK_P, BLOCK_K)
+            dp3 = tl.reshape(dp, (BLOCK_P, BLOCK_K // 4, 4))
+            t = tl.sum(p3 * dp3, axis=2)  # (BP, BK / 4)
+            dps += t
+            ds = tl.reshape(p3 * (dp3 - t[:, :, None]) * ps[:, :, None], (BLOCK_P, BLOCK_K))
+            p = tl.reshape(p3 * ps[:, :, None], (BLOCK_P, BLOCK_K))
+        else:
+            m = tl.load(stats_base + 2 * f, mask=pmask, other=0.)
+            den = tl.load(stats_base + 2 * f + 1, mask=pmask, other=1.)
+            p = tl.where(pk_mask, tl.exp(sc - m[:, None]) / den[:, None], 0.)  # (BP, BK)
+            # (g . out from the float32 weights, not from the stored, rounded output)
+            ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
         dqf = tl.sum(kg * ds[:, :, None], axis=1)
         tl.store(dq_base + f * D, _cast_rne(dqf, dq_ptr.dtype.element_ty), mask=pd_mask)
         dk += ds[:, :, None] * qf[:, None, :]
@@ -235,6 +291,12 @@ def _qt_final_b_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, g_ptr, dq_ptr, dk_
     base = bh.to(tl.int64) * M * D  # (dk, dv: contiguous (B, h, M, d))
     tl.atomic_add(dk_ptr + base + rows, dk, mask=pkd_mask)
     tl.atomic_add(dv_ptr + base + rows, dv, mask=pkd_mask)
+    if GROUPED:
+        G = K // 4
+        gg = tl.arange(0, BLOCK_K // 4)
+        tl.store(dps_ptr + bh.to(tl.int64) * L * G + par64[:, None] * G + gg[None, :],
+                 _cast_rne(dps, dps_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & (gg < G)[None, :])
 
 
 # ----------------------------------------------------------------------------------------
@@ -314,10 +376,10 @@ def _signature(fn, const: dict, io: str, fp32_ptrs: Tuple[str, ...]) -> Tuple[di
 
 def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     """What the launches of the ops compile (scores / messages, forward / backward, and the
-    fused final level's two kernels): ``(name, kernel, signature, constexprs, options)``
-    each, for ahead-of-time compilation without a GPU (``triton.compile(ASTSource(kernel,
-    signature, constexprs), target, options)``). Needs the kernels compiled, not
-    interpreted."""
+    fused final level's two kernels for variant B and for variant A): ``(name, kernel,
+    signature, constexprs, options)`` each, for ahead-of-time compilation without a GPU
+    (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``). Needs
+    the kernels compiled, not interpreted."""
     if INTERPRETED:
         raise RuntimeError('aot_specs needs the compiled kernels (TRITON_INTERPRET unset)')
     io = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]
@@ -331,12 +393,13 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
         options = dict(num_warps=_gathered_warps(bp, bk, bd, scatter))
         specs.append((name, _qt_gathered_kernel, sig, cst, options))
     bp, bk, bd, warps = _final_blocks(num_candidates, head_dim)
-    const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd)
-    for name, fn, fp32 in (('final_level_b', _qt_final_b_fwd, ('stats_ptr', )),
-                           ('final_level_b_backward', _qt_final_b_bwd,
-                            ('stats_ptr', 'dk_ptr', 'dv_ptr'))):
-        sig, cst = _signature(fn, const, io, fp32)
-        specs.append((name, fn, sig, cst, dict(num_warps=warps)))
+    for variant in 'ba':
+        const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=variant == 'a')
+        for name, fn, fp32 in ((f'final_level_{variant}', _qt_final_fwd, ('stats_ptr', )),
+                               (f'final_level_{variant}_backward', _qt_final_bwd,
+                                ('stats_ptr', 'dk_ptr', 'dv_ptr'))):
+            sig, cst = _signature(fn, const, io, fp32)
+            specs.append((name, fn, sig, cst, dict(num_warps=warps)))
     return specs
 
 
@@ -495,7 +558,7 @@ _messages_op.register_autograd(
 
 
 # ----------------------------------------------------------------------------------------
-# custom ops: variant B's final level, fused
+# custom ops: the final level fused (variant B, and variant A with its prev_score)
 
 
 def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
@@ -506,25 +569,64 @@ def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
     stores at 8 / 16 / 32 warps: fp32 452 / 516 / 900 B, bf16 380 / 232 / 148 B; none at
     d = 32): no warp count removes it (four ``(4K, d)`` float32 tiles plus their int64
     row offsets), so 8 warps stay; removing it needs a kernel change (e.g. int32 offsets,
-    or the ``dk`` / ``dv`` scatter in chunks of ``d``)."""
+    or the ``dk`` / ``dv`` scatter in chunks of ``d``). Since the kernels also take
+    variant A (extra arguments, dead code for B), B's backward spills fp32 476 B (was
+    452), bf16 372 B (was 380) at d = 64, still none at d = 32. Variant A's backward
+    (grouped softmax via reshapes, plus the prev_score tile and its gradient) spills more:
+    at 8 warps fp32 1172 B / bf16 1268 B at d = 64, 60 / 76 B at d = 32; both forwards
+    none (Triton 3.8's ptxas, ``gpu_kernel_check.py --aot 90``; not timed on a GPU)."""
     _, bk, bd = _blocks(K, d)
     bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (2 * bk * bd)))
     return bp, bk, bd, 4 if bp * bk * bd <= 2048 else 8
 
 
-@torch.library.triton_op('flatten_mm::qt_final_level_b', mutates_args=())
-def _final_b_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _final_forward(query, key, value, index, prev_score):
+    """``(out, stats)`` of ``_qt_final_fwd``: variant B when ``prev_score`` is ``None``
+    (``stats`` ``(B, h, L, F, 2)`` float32), else variant A (``stats`` empty)."""
     B, h, L, nf, d = query.shape
     K = index.shape[-1]
     bp, bk, bd, warps = _final_blocks(K, d)
+    grouped = prev_score is not None
     out = query.new_empty((B, h, L, nf, d))
-    stats = query.new_empty((B, h, L, nf, 2), dtype=torch.float32)
-    torch.library.wrap_triton(_qt_final_b_fwd)[(triton.cdiv(L, bp), B * h)](
-        query, key, value, index, out, stats, h, L, K, d, *query.stride(), *key.stride(),
-        *value.stride(), *index.stride(), *out.stride(),
-        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, num_warps=warps)
+    stats = query.new_empty((0, ) if grouped else (B, h, L, nf, 2), dtype=torch.float32)
+    ps = prev_score if grouped else query  # (unused pointer for B)
+    torch.library.wrap_triton(_qt_final_fwd)[(triton.cdiv(L, bp), B * h)](
+        query, key, value, index, ps, out, stats, h, L, K, d, *query.stride(), *key.stride(),
+        *value.stride(), *index.stride(), *(ps.stride()[:4] if grouped else (0, ) * 4),
+        *out.stride(), F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped,
+        num_warps=warps)
     return out, stats
+
+
+def _final_backward_launch(grad, query, key, value, index, stats, prev_score):
+    """``(dq, dk, dv, dprev_score)`` by ``_qt_final_bwd`` (``dprev_score`` empty for B)."""
+    B, h, L, nf, d = query.shape
+    M, K = key.shape[2], index.shape[-1]
+    bp, bk, bd, warps = _final_blocks(K, d)
+    grouped = prev_score is not None
+    dq = torch.empty((B, h, L, nf, d), dtype=query.dtype, device=query.device)
+    dk = torch.zeros((B, h, M, d), dtype=torch.float32, device=key.device)
+    dv = torch.zeros((B, h, M, d), dtype=torch.float32, device=value.device)
+    ps = prev_score if grouped else query  # (unused pointers for B)
+    dps = torch.empty(ps.shape, dtype=ps.dtype, device=ps.device) if grouped else \
+        query.new_empty((0, ))
+    torch.library.wrap_triton(_qt_final_bwd)[(triton.cdiv(L, bp), B * h)](
+        query, key, value, index, stats, ps, grad, dq, dk, dv, dps, h, L, K, d, M,
+        *query.stride(), *key.stride(), *value.stride(), *index.stride(),
+        *(ps.stride()[:4] if grouped else (0, ) * 4), *grad.stride(),
+        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped, num_warps=warps)
+    return dq, dk.to(key.dtype), dv.to(value.dtype), dps
+
+
+def _qkv_grads_fake(query, key, value):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (query, key, value))
+
+
+@torch.library.triton_op('flatten_mm::qt_final_level_b', mutates_args=())
+def _final_b_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _final_forward(query, key, value, index, None)
 
 
 @_final_b_op.register_fake
@@ -537,24 +639,12 @@ def _(query, key, value, index):
 def _final_b_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, index: torch.Tensor,
                          stats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, h, L, nf, d = query.shape
-    M, K = key.shape[2], index.shape[-1]
-    bp, bk, bd, warps = _final_blocks(K, d)
-    dq = torch.empty((B, h, L, nf, d), dtype=query.dtype, device=query.device)
-    dk = torch.zeros((B, h, M, d), dtype=torch.float32, device=key.device)
-    dv = torch.zeros((B, h, M, d), dtype=torch.float32, device=value.device)
-    torch.library.wrap_triton(_qt_final_b_bwd)[(triton.cdiv(L, bp), B * h)](
-        query, key, value, index, stats, grad, dq, dk, dv, h, L, K, d, M, *query.stride(),
-        *key.stride(), *value.stride(), *index.stride(), *grad.stride(),
-        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, num_warps=warps)
-    return dq, dk.to(key.dtype), dv.to(value.dtype)
+    return _final_backward_launch(grad, query, key, value, index, stats, None)[:3]
 
 
 @_final_b_backward_op.register_fake
 def _(grad, query, key, value, index, stats):
-    return (torch.empty_like(query, memory_format=torch.contiguous_format),
-            torch.empty_like(key, memory_format=torch.contiguous_format),
-            torch.empty_like(value, memory_format=torch.contiguous_format))
+    return _qkv_grads_fake(query, key, value)
 
 
 def _final_b_setup(ctx, inputs, output):
@@ -572,6 +662,42 @@ def _final_b_backward(ctx, grad_out, grad_stats):
 
 
 _final_b_op.register_autograd(_final_b_backward, setup_context=_final_b_setup)
+
+
+@torch.library.triton_op('flatten_mm::qt_final_level_a', mutates_args=())
+def _final_a_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                index: torch.Tensor, prev_score: torch.Tensor) -> torch.Tensor:
+    return _final_forward(query, key, value, index, prev_score)[0]
+
+
+@_final_a_op.register_fake
+def _(query, key, value, index, prev_score):
+    return query.new_empty(query.shape)
+
+
+@torch.library.triton_op('flatten_mm::qt_final_level_a_backward', mutates_args=())
+def _final_a_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, index: torch.Tensor, prev_score: torch.Tensor
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dquery, dkey, dvalue, dprev_score)`` (all contiguous)."""
+    stats = query.new_empty((0, ), dtype=torch.float32)  # (A recomputes its softmax)
+    return _final_backward_launch(grad, query, key, value, index, stats, prev_score)
+
+
+@_final_a_backward_op.register_fake
+def _(grad, query, key, value, index, prev_score):
+    return _qkv_grads_fake(query, key, value) + (
+        torch.empty_like(prev_score, memory_format=torch.contiguous_format), )
+
+
+def _final_a_backward(ctx, grad_out):
+    query, key, value, index, prev_score = ctx.saved_tensors
+    dq, dk, dv, dps = torch.ops.flatten_mm.qt_final_level_a_backward(
+        grad_out, query, key, value, index, prev_score)
+    return dq, dk, dv, None, dps
+
+
+_final_a_op.register_autograd(_final_a_backward, setup_context=_save_inputs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -641,11 +767,7 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = check_inputs(query, key, index, scores=True)
-    if why is None and value.shape != key.shape:
-        why = f'value {tuple(value.shape)} does not match key {tuple(key.shape)}'
-    if why is None:
-        why = check_inputs(query, value, index, scores=True)
+    why = _final_level_problem(query, key, value, index)
     if why is not None:
         raise ValueError(f'QuadTree Triton kernels: {why}')
     with torch.autocast(device_type=query.device.type, enabled=False):
@@ -653,5 +775,59 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out
 
 
+def _final_level_problem(query, key, value, index) -> Optional[str]:
+    """Why the fused final-level kernels cannot take these inputs (``None`` if they can)."""
+    why = check_inputs(query, key, index, scores=True)
+    if why is None and value.shape != key.shape:
+        why = f'value {tuple(value.shape)} does not match key {tuple(key.shape)}'
+    if why is None:
+        why = check_inputs(query, value, index, scores=True)
+    return why
+
+
+def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         index: torch.Tensor, prev_score: torch.Tensor) -> torch.Tensor:
+    """Variant A's final level in one kernel::
+
+        scores = gathered_scores(query, key, index)                     # (B, h, L, F, K)
+        attn = softmax(scores.unflatten(-1, (K // 4, 4)), -1)           # within groups of 4
+        attn = (attn * prev_score[:, :, :, None, :, None]).flatten(-2)
+        out = gathered_messages(attn, value, index)
+
+    without writing the ``(B, h, L, F, K)`` scores or weights (differentiable in ``query``,
+    ``key``, ``value`` and ``prev_score``; the backward recomputes the 4-wide softmax).
+
+    Args:
+        query: ``(B, h, L, F, d)`` child queries (already multiplied by the temperature).
+        key: ``(B, h, M, d)`` keys of the level.
+        value: ``(B, h, M, d)`` values of the level.
+        index: ``(B, h, L, K)`` candidate rows: ``K // 4`` groups of 4 consecutive
+            children of one candidate parent (as ``_child_candidates`` orders them).
+        prev_score: ``(B, h, L, K // 4)`` the coarser level's weight of each candidate
+            parent, in the dtype of ``query``.
+
+    Returns:
+        ``(B, h, L, F, d)`` in the dtype of ``query`` (computed in float32).
+
+    Raises:
+        ValueError: inputs the kernels do not take (see ``check_inputs``).
+    """
+    why = _final_level_problem(query, key, value, index)
+    if why is None:
+        shape = (*index.shape[:3], index.shape[-1] // 4)
+        if index.shape[-1] % 4:
+            why = f'{index.shape[-1]} candidates, not groups of 4'
+        elif prev_score.shape != shape:
+            why = f'prev_score {tuple(prev_score.shape)}, expected {shape}'
+        elif prev_score.dtype != query.dtype:
+            why = f'prev_score dtype {prev_score.dtype}, query {query.dtype}'
+        else:
+            why = device_problem((query, prev_score), __name__)
+    if why is not None:
+        raise ValueError(f'QuadTree Triton kernels: {why}')
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        return torch.ops.flatten_mm.qt_final_level_a(query, key, value, index, prev_score)
+
+
 __all__ = ['gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
-           'check_inputs', 'tile_fits', 'INTERPRETED']
+           'final_level_a_triton', 'check_inputs', 'tile_fits', 'INTERPRETED']
