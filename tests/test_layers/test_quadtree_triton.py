@@ -551,13 +551,14 @@ def _tiny_args(tool, monkeypatch, *extra):
 
 def test_gpu_check_tool_quadtree_check_runs_interpreted(monkeypatch):
     """The tool's QuadTree check on CPU (interpreted kernels, a tiny 3-level case): the
-    three ops' outputs and gradients in fp32 and bf16 pass against float64, the core A / B
+    four ops' outputs and gradients in fp32 and bf16 pass against float64, the core A / B
     comparison covers every result with no near tie at this size, and the op shapes are
     the case's."""
     tool = _load_tool()
     args = _tiny_args(tool, monkeypatch)
     names = {f'{op}.{r}' for op, rs in (('scores', 'out dq dk'), ('messages', 'out dw dv'),
-                                        ('final_level_b', 'out dq dk dv'))
+                                        ('final_level_b', 'out dq dk dv'),
+                                        ('final_level_a', 'out dq dk dv dps'))
              for r in rs.split()}
     for dtype in ('fp32', 'bf16'):
         rec = tool.check_quadtree('tiny', dtype, args)
@@ -659,11 +660,12 @@ def test_gpu_check_tool_quadtree_compile_and_timing_paths(monkeypatch):
     assert rec['compile']['near_tie_tokens'] == 0 and 'skipped' not in rec['compile']
     assert set(rec['compile']['max_rel_vs_eager']) == {'out', 'gradients'}
     assert max(rec['compile']['max_rel_vs_eager'].values()) <= args.tol
-    assert set(rec['ms']) == {'scores', 'messages', 'final_level_b', 'core_b'}
+    assert set(rec['ms']) == {'scores', 'messages', 'final_level_b', 'final_level_a',
+                              'core_b'}
     for t in rec['ms'].values():
         assert set(t) == {'kernels', 'pytorch'}
         assert all(set(v) == {'forward', 'forward_backward'} for v in t.values())
-    assert len(timed) == 4 * 2 * 2
+    assert len(timed) == 5 * 2 * 2
     rec = tool.check_quadtree('tiny', 'bf16', args)  # not the first dtype: ops only
     assert 'compile' not in rec and 'core_b' not in rec['ms'] and rec['passed']
     args.margin_threshold = 1e-3  # near ties: the output outside them, no gradients

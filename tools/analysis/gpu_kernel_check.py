@@ -18,8 +18,8 @@ also run under ``torch.compile`` (inductor, ``fullgraph=True``; the ``--compile-
 the first of ``--dtypes``) and must match eager. Unless
 ``--no-timing``, the median times of forward and forward + backward of kernels, PyTorch path
 and plain ReLU linear attention of the same shape are recorded (CUDA events). QuadTree: the
-same for the three ops (``qt_gathered_scores``, ``qt_gathered_messages``,
-``qt_final_level_b``) on the finest level of the case, plus ``quadtree_attention_core`` A and
+same for the four ops (``qt_gathered_scores``, ``qt_gathered_messages``,
+``qt_final_level_b``, ``qt_final_level_a``) on the finest level of the case, plus ``quadtree_attention_core`` A and
 B with ``use_triton`` True vs False (first of ``--dtypes``; float32 maths, within
 ``--tol``): near ties, top-k selections whose margin is below ``--margin-threshold`` and may
 flip between two paths, are left out of the comparison where they reach (the tokens below
@@ -89,7 +89,7 @@ def _qt_cases() -> Dict[str, tuple]:
 
 #: name -> (map side, C, heads, levels, topk): QuadTree-PVTv2 stages at a 512² input
 QT_CASES = _qt_cases()
-#: checked by default: b0 stage 2 (3 levels: all three ops, d = 32, 2 heads) and b1 stage 1
+#: checked by default: b0 stage 2 (3 levels: all four ops, d = 32, 2 heads) and b1 stage 1
 #: (4 levels, d = 64); 2 x 6 kernel specialisations per dtype
 QT_DEFAULT_CASES = ('qt-b0-stage2', 'qt-b1-stage1')
 KERNELS = ('fla', 'quadtree')
@@ -307,7 +307,9 @@ def _qt_level_inputs(case: str, dtype: torch.dtype, args: argparse.Namespace) ->
     k = qa._to_heads(rand(B, C, side, side), h).to(dtype)
     v = qa._to_heads(rand(B, C, side, side), h).to(dtype)
     w = torch.softmax(rand(B, h, L, 4, 4 * topk), dim=-1).to(dtype)
-    return dict(q=q, k=k, v=v, w=w, cand=cand, g_scores=rand(B, h, L, 4, 4 * topk).to(dtype),
+    ps = torch.softmax(rand(B, h, L, topk), dim=-1).to(dtype)  # the coarser level's weights
+    return dict(q=q, k=k, v=v, w=w, ps=ps, cand=cand,
+                g_scores=rand(B, h, L, 4, 4 * topk).to(dtype),
                 g_msg=rand(B, h, L, 4, d).to(dtype), batch=B, heads=h, head_dim=d, parents=L,
                 keys=M, candidates=4 * topk)
 
@@ -321,6 +323,12 @@ def _qt_ops(cand: torch.Tensor) -> Dict:
         s = qa.gathered_scores(q, k, cand, use_triton=False)
         return qa.gathered_messages(torch.softmax(s, dim=-1), v, cand, use_triton=False)
 
+    def final_a_torch(q, k, v, ps):  # softmax within each candidate parent's 4 children
+        s = qa.gathered_scores(q, k, cand, use_triton=False)
+        w = torch.softmax(s.unflatten(-1, (ps.shape[-1], 4)), dim=-1)
+        w = (w * ps[:, :, :, None, :, None]).flatten(-2)
+        return qa.gathered_messages(w, v, cand, use_triton=False)
+
     return {
         'scores': (('q', 'k'), 'g_scores',
                    lambda q, k: qa.gathered_scores(q, k, cand, use_triton=True),
@@ -330,6 +338,9 @@ def _qt_ops(cand: torch.Tensor) -> Dict:
                      lambda w, v: qa.gathered_messages(w, v, cand, use_triton=False)),
         'final_level_b': (('q', 'k', 'v'), 'g_msg',
                           lambda q, k, v: qt.final_level_b_triton(q, k, v, cand), final_torch),
+        'final_level_a': (('q', 'k', 'v', 'ps'), 'g_msg',
+                          lambda q, k, v, ps: qt.final_level_a_triton(q, k, v, cand, ps),
+                          final_a_torch),
     }
 
 
@@ -500,7 +511,7 @@ def _qt_compile_check(case: str, args: argparse.Namespace) -> Dict:
 
 
 def check_quadtree(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
-    """One QuadTree case (``QT_CASES``) and dtype: the three ops on the case's finest level
+    """One QuadTree case (``QT_CASES``) and dtype: the four ops on the case's finest level
     (kernels and PyTorch path against float64 on the same rounded inputs, forward and
     gradients, the FLA pass rule); for the first of ``--dtypes`` also the core A and B
     kernels vs PyTorch path and (``--compile-cases``) the compiled module; timings."""
