@@ -32,6 +32,31 @@ def requires_shared():
         'development/CI checkout; set FLATTEN_MM_SHARED to point elsewhere)')
 
 
+def import_interpreted(*names: str) -> list:
+    """Import the modules ``names`` with ``TRITON_INTERPRET=1`` (Triton decides when a
+    kernel is decorated, i.e. when its module is imported, whether it is interpreted), then
+    restore the variable. Without Triton this raises: kernel tests fail, never skip."""
+    import importlib
+    previous = os.environ.get('TRITON_INTERPRET')
+    os.environ['TRITON_INTERPRET'] = '1'
+    try:
+        return [importlib.import_module(n) for n in names]
+    finally:
+        if previous is None:
+            del os.environ['TRITON_INTERPRET']
+        else:
+            os.environ['TRITON_INTERPRET'] = previous
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """``TRITON_INTERPRET=1`` while a test runs (the interpreter also reads it when a kernel
+    runs) and the ``FLATTEN_MM_TRITON`` switch unset (kernels allowed)."""
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+    monkeypatch.delenv('FLATTEN_MM_TRITON', raising=False)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -317,24 +317,30 @@ def isolated_run(scope: str, config: str, backbone: str, size: int,
 
 def _run_in_new_process(row: ConfigRow, backbone: str, size: int,
                         time_limit: int) -> Optional[dict]:
-    """``isolated_run`` in a new Python process (``None`` if that process fails)."""
+    """``isolated_run`` in a new Python process, which writes its result to a JSON file
+    (``None`` if that process fails). This checkout goes first on its ``PYTHONPATH``."""
     import subprocess
     import sys
+    import tempfile
     root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-    code = ('import json, sys; sys.path.insert(0, sys.argv[1]); '
-            'from flatten_mm.analysis.swap_sweep_all import isolated_run; '
-            "print('ISOLATED_RUN ' + json.dumps(isolated_run(sys.argv[2], sys.argv[3], "
-            'sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))))')
-    try:
-        proc = subprocess.run(
-            [sys.executable, '-c', code, root, row.scope, row.config, backbone, str(size),
-             str(time_limit)], capture_output=True, text=True, timeout=4 * time_limit)
-    except subprocess.TimeoutExpired:
-        return None
-    for line in proc.stdout.splitlines():
-        if line.startswith('ISOLATED_RUN '):
-            return json.loads(line[len('ISOLATED_RUN '):])
-    return None
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(p for p in (root, env.get('PYTHONPATH')) if p)
+    code = ('import json, sys; from flatten_mm.analysis.swap_sweep_all import isolated_run; '
+            'result = isolated_run(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), '
+            "int(sys.argv[6])); json.dump(result, open(sys.argv[1], 'w'))")
+    with tempfile.TemporaryDirectory() as work:
+        out = osp.join(work, 'result.json')
+        try:
+            subprocess.run(
+                [sys.executable, '-c', code, out, row.scope, row.config, backbone, str(size),
+                 str(time_limit)], capture_output=True, text=True, timeout=4 * time_limit,
+                env=env, cwd=work)
+        except subprocess.TimeoutExpired:
+            return None
+        if not osp.isfile(out):
+            return None
+        with open(out, encoding='utf-8') as f:
+            return json.load(f)
 
 
 def run_config(row: ConfigRow, backbone: str, work_dir: str, size: int = 128,

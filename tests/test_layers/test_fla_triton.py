@@ -4,36 +4,25 @@ the float64 formula and the PyTorch path, and the operator-level switch.
 
 Triton decides at decoration time (when the kernel module is imported) whether kernels are
 interpreted, so ``TRITON_INTERPRET=1`` is set before the import below; it is set again
-around each test (``_interpreter`` fixture) because the interpreter also reads it while a
+around each test (``triton_interpreter`` fixture) because the interpreter also reads it while a
 kernel runs, and removed afterwards so other test modules never see it. These tests are
 never skipped: without Triton the import fails.
 """
 import operator
 import os
 
-_PREVIOUS = os.environ.get('TRITON_INTERPRET')
-os.environ['TRITON_INTERPRET'] = '1'
-import triton  # noqa: E402  (the kernels need it: fail, never skip, without it)
+import pytest
+import torch
+from conftest import import_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
+# (the kernels need Triton: fail, never skip, without it)
+triton, fla_triton = import_interpreted(
+    'triton', 'flatten_mm.models.layers.focused_linear_attention_triton')
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
-from flatten_mm.models.layers import focused_linear_attention_triton as fla_triton  # noqa: E402
 from flatten_mm.models.layers import (FocusedLinearAttention,  # noqa: E402
                                       FocusedLinearAttentionQKV)
 
-if _PREVIOUS is None:
-    del os.environ['TRITON_INTERPRET']
-else:
-    os.environ['TRITON_INTERPRET'] = _PREVIOUS
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv('TRITON_INTERPRET', '1')
-    monkeypatch.delenv(fla.TRITON_ENV, raising=False)
-    yield
+pytestmark = pytest.mark.usefixtures('triton_interpreter')
 
 
 def test_kernels_are_interpreted():

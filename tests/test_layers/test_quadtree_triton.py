@@ -12,29 +12,17 @@ Triton the import fails.
 import operator
 import os
 
-_PREVIOUS = os.environ.get('TRITON_INTERPRET')
-os.environ['TRITON_INTERPRET'] = '1'
-import triton  # noqa: E402,F401  (the kernels need it: fail, never skip, without it)
+import pytest
+import torch
+from conftest import import_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
+# (the kernels need Triton: fail, never skip, without it)
+_, qt = import_interpreted('triton', 'flatten_mm.models.layers.quadtree_attention_triton')
 from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
 from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
-from flatten_mm.models.layers import quadtree_attention_triton as qt  # noqa: E402
 
-if _PREVIOUS is None:
-    del os.environ['TRITON_INTERPRET']
-else:
-    os.environ['TRITON_INTERPRET'] = _PREVIOUS
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv('TRITON_INTERPRET', '1')
-    monkeypatch.delenv(fla.TRITON_ENV, raising=False)
-    yield
+pytestmark = pytest.mark.usefixtures('triton_interpreter')
 
 
 def test_kernels_are_interpreted():

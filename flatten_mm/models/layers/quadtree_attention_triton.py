@@ -704,6 +704,15 @@ _final_a_op.register_autograd(_final_a_backward, setup_context=_save_inputs)
 # entry points
 
 
+def _run_op(why: Optional[str], op, *args):
+    """Run the custom ``op`` outside autocast (the kernels take the inputs' dtype and
+    accumulate in float32), or raise ``ValueError`` with ``why`` the inputs are refused."""
+    if why is not None:
+        raise ValueError(f'QuadTree Triton kernels: {why}')
+    with torch.autocast(device_type=args[0].device.type, enabled=False):
+        return op(*args)
+
+
 def gathered_scores_triton(query: torch.Tensor, key: torch.Tensor,
                            index: torch.Tensor) -> torch.Tensor:
     """``gathered_scores`` by the Triton kernel (differentiable in ``query`` and ``key``).
@@ -719,11 +728,8 @@ def gathered_scores_triton(query: torch.Tensor, key: torch.Tensor,
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = check_inputs(query, key, index, scores=True)
-    if why is not None:
-        raise ValueError(f'QuadTree Triton kernels: {why}')
-    with torch.autocast(device_type=query.device.type, enabled=False):
-        return torch.ops.flatten_mm.qt_gathered_scores(query, key, index)
+    return _run_op(check_inputs(query, key, index, scores=True),
+                   torch.ops.flatten_mm.qt_gathered_scores, query, key, index)
 
 
 def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor,
@@ -741,11 +747,8 @@ def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor,
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = check_inputs(weight, value, index, scores=False)
-    if why is not None:
-        raise ValueError(f'QuadTree Triton kernels: {why}')
-    with torch.autocast(device_type=weight.device.type, enabled=False):
-        return torch.ops.flatten_mm.qt_gathered_messages(weight, value, index)
+    return _run_op(check_inputs(weight, value, index, scores=False),
+                   torch.ops.flatten_mm.qt_gathered_messages, weight, value, index)
 
 
 def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -767,12 +770,8 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = _final_level_problem(query, key, value, index)
-    if why is not None:
-        raise ValueError(f'QuadTree Triton kernels: {why}')
-    with torch.autocast(device_type=query.device.type, enabled=False):
-        out, _ = torch.ops.flatten_mm.qt_final_level_b(query, key, value, index)
-    return out
+    return _run_op(_final_level_problem(query, key, value, index),
+                   torch.ops.flatten_mm.qt_final_level_b, query, key, value, index)[0]
 
 
 def _final_level_problem(query, key, value, index) -> Optional[str]:
@@ -823,10 +822,8 @@ def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             why = f'prev_score dtype {prev_score.dtype}, query {query.dtype}'
         else:
             why = device_problem((query, prev_score), __name__)
-    if why is not None:
-        raise ValueError(f'QuadTree Triton kernels: {why}')
-    with torch.autocast(device_type=query.device.type, enabled=False):
-        return torch.ops.flatten_mm.qt_final_level_a(query, key, value, index, prev_score)
+    return _run_op(why, torch.ops.flatten_mm.qt_final_level_a, query, key, value, index,
+                   prev_score)
 
 
 __all__ = ['gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
