@@ -344,7 +344,10 @@ def _cfg(C: int, d: int) -> dict:
 
 #: 8 warps, 64-token tiles (32 for head dims above 32): no register spills on sm_90
 #: (ptxas; 4 warps spill in three of the five kernels at d = 32, 64-token tiles in four at
-#: d = 64); see ``aot_specs`` and tools/analysis/gpu_kernel_check.py ``--aot``
+#: d = 64) except ``_fla_out_fwd`` with a single head of d = 64 (FLatten-PVT stage 1:
+#: 172 B fp32, 204 B bf16; two heads of 64 do not spill); 16-token tiles remove that,
+#: at twice the KV reloads per token, to be timed on a GPU (2026-12-01, Triton 3.8's
+#: ptxas); see ``aot_specs`` and tools/analysis/gpu_kernel_check.py ``--aot``
 _NUM_WARPS = 8
 
 

@@ -58,6 +58,8 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 _MAX_TILE = 1 << 13
 #: elements of the per-program ``(BLOCK_P, BLOCK_K, BLOCK_D)`` tile on the GPU
 _GPU_TILE = 1 << 13
+#: channels of the ``dk`` / ``dv`` chunks the fused final level's backward scatters
+_FINAL_CHUNK_D = 8
 
 
 # ----------------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
                   spb, sph, spl, spk,
                   sgb, sgh, sgl, sgf, sgd,
                   F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr):
+                  BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, GROUPED: tl.constexpr):
     """Backward of ``_qt_final_fwd``: ``dq`` (contiguous, input dtype) and float32 atomic
     scatter-adds into ``dk`` / ``dv`` (contiguous ``(B, h, M, d)``)::
 
@@ -251,13 +253,21 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
            t_j = sum_{k in j} p dp;  ds = ps p (dp - t_j);  dps[l, j] = sum_f t_j
         dq = ds @ k_cand;  dk[cand] += ds^T q;  dv[cand] += w^T g   (B: w = p)
 
+    Two phases, so that at most two ``(BLOCK_P, BLOCK_K, BLOCK_D)`` float32 tiles are live
+    at once (with ``dk`` / ``dv`` accumulated over the children next to the gathered rows
+    there were four, which spilled at head dim 64): the child loop keeps each child's
+    ``ds`` and ``w`` (``(BLOCK_P, BLOCK_K, F)``, small), then ``dk`` / ``dv`` are formed and
+    scattered ``CHUNK_D`` channels at a time from them and the reloaded ``q`` / ``g``.
+
     A also writes ``dps`` (contiguous ``(B, h, L, K / 4)``, the prev_score dtype): each
     parent's groups belong to one program, so no atomics there."""
+    tl.static_assert((F & (F - 1)) == 0, 'F (children per parent) must be a power of 2')
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
      vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
                         svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
-    dk = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_P, BLOCK_K, BLOCK_D), tl.float32)
+    ff = tl.arange(0, F)
+    ds_all = tl.zeros((BLOCK_P, BLOCK_K, F), tl.float32)  # ds of child f at [:, :, f]
+    w_all = tl.zeros((BLOCK_P, BLOCK_K, F), tl.float32)
     q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
     g_base = g_ptr + b * sgb + hh * sgh + par64[:, None] * sgl + dd[None, :] * sgd
     dq_base = dq_ptr + bh.to(tl.int64) * L * F * D + par64[:, None] * F * D + dd[None, :]
@@ -285,12 +295,27 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
             ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
         dqf = tl.sum(kg * ds[:, :, None], axis=1)
         tl.store(dq_base + f * D, _cast_rne(dqf, dq_ptr.dtype.element_ty), mask=pd_mask)
-        dk += ds[:, :, None] * qf[:, None, :]
-        dv += p[:, :, None] * gf[:, None, :]
-    rows = cand[:, :, None] * D + dd[None, None, :]
+        is_f = (ff == f)[None, None, :]
+        ds_all = tl.where(is_f, ds[:, :, None], ds_all)
+        w_all = tl.where(is_f, p[:, :, None], w_all)
+    # dk[cand] += sum_f ds_f q_f, dv[cand] += sum_f w_f g_f, CHUNK_D channels at a time
     base = bh.to(tl.int64) * M * D  # (dk, dv: contiguous (B, h, M, d))
-    tl.atomic_add(dk_ptr + base + rows, dk, mask=pkd_mask)
-    tl.atomic_add(dv_ptr + base + rows, dv, mask=pkd_mask)
+    pf_off = par64[:, None, None] * sql + ff[None, :, None] * sqf
+    gf_off = par64[:, None, None] * sgl + ff[None, :, None] * sgf
+    for c in tl.static_range(0, BLOCK_D, CHUNK_D):
+        dc = c + tl.arange(0, CHUNK_D)
+        dmask = dc < D
+        pfd_mask = pmask[:, None, None] & dmask[None, None, :]
+        qc = tl.load(q_ptr + b * sqb + hh * sqh + pf_off + dc[None, None, :] * sqd,
+                     mask=pfd_mask, other=0.).to(tl.float32)  # (BP, F, CD)
+        gc = tl.load(g_ptr + b * sgb + hh * sgh + gf_off + dc[None, None, :] * sgd,
+                     mask=pfd_mask, other=0.).to(tl.float32)
+        dkc = tl.sum(ds_all[:, :, :, None] * qc[:, None, :, :], axis=2)  # (BP, BK, CD)
+        dvc = tl.sum(w_all[:, :, :, None] * gc[:, None, :, :], axis=2)
+        rows = cand[:, :, None] * D + dc[None, None, :]
+        kd_mask = pk_mask[:, :, None] & dmask[None, None, :]
+        tl.atomic_add(dk_ptr + base + rows, dkc, mask=kd_mask)
+        tl.atomic_add(dv_ptr + base + rows, dvc, mask=kd_mask)
     if GROUPED:
         G = K // 4
         gg = tl.arange(0, BLOCK_K // 4)
@@ -395,10 +420,11 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     bp, bk, bd, warps = _final_blocks(num_candidates, head_dim)
     for variant in 'ba':
         const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=variant == 'a')
-        for name, fn, fp32 in ((f'final_level_{variant}', _qt_final_fwd, ('stats_ptr', )),
-                               (f'final_level_{variant}_backward', _qt_final_bwd,
-                                ('stats_ptr', 'dk_ptr', 'dv_ptr'))):
-            sig, cst = _signature(fn, const, io, fp32)
+        for name, fn, fp32, extra in (
+                (f'final_level_{variant}', _qt_final_fwd, ('stats_ptr', ), {}),
+                (f'final_level_{variant}_backward', _qt_final_bwd,
+                 ('stats_ptr', 'dk_ptr', 'dv_ptr'), dict(CHUNK_D=_final_chunk_d(bd)))):
+            sig, cst = _signature(fn, dict(const, **extra), io, fp32)
             specs.append((name, fn, sig, cst, dict(num_warps=warps)))
     return specs
 
@@ -563,21 +589,27 @@ _messages_op.register_autograd(
 
 def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
     """``BLOCK_P``, ``BLOCK_K``, ``BLOCK_D`` and warps of the fused final-level kernels (two
-    gathered tiles in the forward, four in the backward).
+    gathered ``(BLOCK_P, BLOCK_K, BLOCK_D)`` tiles live at once, forward and backward).
 
-    The backward spills at head dim 64 (one parent per program, 4K = 128; ptxas sm_90 spill
-    stores at 8 / 16 / 32 warps: fp32 452 / 516 / 900 B, bf16 380 / 232 / 148 B; none at
-    d = 32): no warp count removes it (four ``(4K, d)`` float32 tiles plus their int64
-    row offsets), so 8 warps stay; removing it needs a kernel change (e.g. int32 offsets,
-    or the ``dk`` / ``dv`` scatter in chunks of ``d``). Since the kernels also take
-    variant A (extra arguments, dead code for B), B's backward spills fp32 476 B (was
-    452), bf16 372 B (was 380) at d = 64, still none at d = 32. Variant A's backward
-    (grouped softmax via reshapes, plus the prev_score tile and its gradient) spills more:
-    at 8 warps fp32 1172 B / bf16 1268 B at d = 64, 60 / 76 B at d = 32; both forwards
-    none (Triton 3.8's ptxas, ``gpu_kernel_check.py --aot 90``; not timed on a GPU)."""
+    Spill stores (ptxas sm_90, Triton 3.8's bundled ptxas, ``gpu_kernel_check.py --aot
+    90``, one parent per program, 4K = 128 candidates, 8 warps, fp32 / bf16): both forwards
+    none; the backward with ``dk`` / ``dv`` scattered in ``_FINAL_CHUNK_D = 8``-channel
+    chunks (``_qt_final_bwd``) none at d = 32, and at d = 64 B 212 / 116 B, A 228 / 224 B.
+    The earlier backward, accumulating ``dk`` / ``dv`` next to the gathered rows (four
+    tiles), spilled B 476 / 372 B and A 1172 / 1268 B at d = 64 and A 60 / 76 B at d = 32.
+    Other settings tried at d = 64 (fp32, B / A): chunks of 16 channels 216 / 476 B, of 32
+    404 / 1488 B, of 4 216 / 124 B (but 16-byte pieces of a 32-byte sector per atomic);
+    16 warps with chunks of 8: 60 / 224 B, 32 warps: 60 / 164 B (with 64 registers per
+    thread, one program per SM); 8 warps stay, chunks of 8 (one 32-byte sector per
+    candidate row and chunk). Not timed on a GPU."""
     _, bk, bd = _blocks(K, d)
     bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (2 * bk * bd)))
     return bp, bk, bd, 4 if bp * bk * bd <= 2048 else 8
+
+
+def _final_chunk_d(block_d: int) -> int:
+    """Channels per ``dk`` / ``dv`` chunk of ``_qt_final_bwd``."""
+    return min(block_d, _FINAL_CHUNK_D)
 
 
 def _final_forward(query, key, value, index, prev_score):
@@ -614,7 +646,8 @@ def _final_backward_launch(grad, query, key, value, index, stats, prev_score):
         query, key, value, index, stats, ps, grad, dq, dk, dv, dps, h, L, K, d, M,
         *query.stride(), *key.stride(), *value.stride(), *index.stride(),
         *(ps.stride()[:4] if grouped else (0, ) * 4), *grad.stride(),
-        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped, num_warps=warps)
+        F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, CHUNK_D=_final_chunk_d(bd), GROUPED=grouped,
+        num_warps=warps)
     return dq, dk.to(key.dtype), dv.to(value.dtype), dps
 
 
