@@ -34,6 +34,7 @@ The ``FLATTEN_MM_TRITON`` setting of the process is recorded in every step row
 import argparse
 import datetime
 import json
+import os
 import os.path as osp
 import sys
 
@@ -90,6 +91,10 @@ def parse_args(argv=None):
                    help='torch.profiler table of one forward + backward of each backbone of '
                    '--families and its baselines, at the first of --resolutions')
     p.add_argument('--profile-top', type=int, default=15, help='kernels listed per model')
+    p.add_argument('--interpret-kernels', action='store_true',
+                   help='with --profile on cpu: our operators run their Triton kernels under '
+                   "Triton's interpreter (sets TRITON_INTERPRET=1): the launches and bytes of "
+                   'the CUDA path, counted without a GPU (no times)')
     p.add_argument('--markdown', default=None,
                    help='write README-style markdown tables (ratios, profile) to this file')
     p.add_argument('--from-csv', default=None,
@@ -128,6 +133,9 @@ def parse_args(argv=None):
         args.steps = 'train'
     if args.from_csv and not args.markdown:
         p.error('--from-csv needs --markdown')
+    if args.interpret_kernels and not (args.profile and args.device == 'cpu'):
+        p.error('--interpret-kernels needs --profile and --device cpu (the interpreter runs '
+                'the kernels on CPU tensors; on a GPU they run for real)')
     if not (args.ops or args.backbones or args.sima_grid or args.compile or args.check
             or args.steps or args.whole_models or args.profile or args.from_csv):
         args.ops = args.backbones = True
@@ -140,6 +148,8 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.interpret_kernels:  # before any kernel module is imported (see --help)
+        os.environ['TRITON_INTERPRET'] = '1'
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -270,7 +280,8 @@ def main(argv=None) -> int:
         hw = (64, 64) if quick else _resolutions(args.resolutions or '512')[0]
         summaries, kernels = bm.run_profile(
             _pairs(args, quick), hw=hw, batch=args.batch or 2, device=args.device, amp=amp,
-            top=args.profile_top, quick=quick, log=log)
+            top=args.profile_top, quick=quick, log=log,
+            interpret_kernels=args.interpret_kernels)
         rows += summaries + kernels
         profile = (summaries, kernels)
         print('\n' + profile_markdown(summaries, kernels, hw, args, env))
@@ -332,7 +343,15 @@ def _pairs(args, quick: bool):
 
 def profile_markdown(summaries, kernels, hw, args, env) -> str:
     """The profile tables: one summary line per model, then its top kernels."""
-    unit = next((r.get('launch_unit') for r in summaries if r.get('launch_unit')), '')
+    units = {}
+    for r in summaries:
+        if r.get('launch_unit'):
+            units.setdefault(r.get('kernels') == 'interpreted', r['launch_unit'])
+    unit = ' / '.join(units.values())
+    if len(units) == 2:
+        unit = (f"{units[True]} for the rows whose kernels are `interpreted` (our operators "
+                "forced onto their Triton kernels, run by Triton's interpreter: what the CUDA "
+                f"path dispatches; no times), {units[False]} for the others")
     size = f'{hw[0]}x{hw[1]}' if hw else ''
     batch = summaries[0].get('batch') if summaries else ''
     lines = [f'### Profile: one forward + backward, batch {batch}, {size}, '
@@ -346,10 +365,11 @@ def profile_markdown(summaries, kernels, hw, args, env) -> str:
              bm.format_table(summaries, bm.PROFILE_COLUMNS)]
     by_model = {}
     for k in kernels:
-        by_model.setdefault((k['name'], k.get('amp')), []).append(k)
-    for (name, amp), ks in by_model.items():
-        lines += ['', f'Top kernels by self time: {name} ({amp})', '',
-                  bm.format_table(ks, bm.KERNEL_COLUMNS[1:])]
+        by_model.setdefault((k['name'], k.get('amp'), k.get('kernels')), []).append(k)
+    for (name, amp, kind), ks in by_model.items():
+        title = 'Most frequent launches, views left out (interpreted kernels, no times)' \
+            if kind == 'interpreted' else 'Top kernels by self time'
+        lines += ['', f'{title}: {name} ({amp})', '', bm.format_table(ks, bm.KERNEL_COLUMNS[1:])]
     return '\n'.join(lines)
 
 

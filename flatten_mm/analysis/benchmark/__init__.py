@@ -16,7 +16,8 @@ Suites, all measured the same way (``timing``):
   autocast and ``torch.compile``, with the peak memory of a step;
 * **profile** (``profiling``) -- one forward + backward under ``torch.profiler``: top
   kernels by self time, launches per forward / backward and per block, bytes moved
-  against the ideal of the attention.
+  against the ideal of the attention (without a GPU: with our operators on their Triton
+  kernels, run by Triton's interpreter).
 
 Timing: every case of a group (all ops at one shape, or one backbone family with its
 baselines at one resolution) runs in the same process, **alternating** round-robin after

@@ -32,6 +32,18 @@ training forward + backward (after one untimed warm-up step) is recorded twice:
    ``attn_bytes_ratio = attention moved / ideal`` (forward only: backward ops are not
    attributed to modules).
 
+**Kernels on, without a GPU** (``interpret_kernels=True``, CPU only): every operator with
+a ``use_triton`` switch is forced onto its Triton kernels, which run under Triton's
+interpreter (the kernel modules must have been imported with ``TRITON_INTERPRET=1``).
+Each kernel launch is recorded as a ``triton::<kernel>`` event and counts as one
+launch; the aten ops the interpreter runs inside a launch are not counted, the ops our
+fused operators run around their kernels (partial sums, zero fills) are. The counts
+are then those of the CUDA dispatch path (on a GPU each top-level aten op is about one
+kernel, a fused operator's launches are its Triton kernels), and the bytes moved count
+a fused operator as one op (its inputs + outputs). Times are the interpreter's and are
+not reported (``None``); the kernel table lists launches by calls instead (views left
+out: they launch nothing on a GPU).
+
 ``blocks`` counts the outermost modules whose class name ends with ``Block`` or
 ``EncoderLayer`` (ours: ``PVTBlock``, ``PreNormBlock``, ``XCiTBlock``; timm ``Block``,
 ``SwinTransformerBlock``, ``XCABlock``; mmdet ``PVTEncoderLayer``, ``SwinBlock``) that
@@ -39,8 +51,9 @@ ran; attention layers are the outermost modules whose class name contains ``Atte
 or ends with ``MSA`` / ``XCA`` / ``QKV`` and that ran. ``*_per_block`` = launches /
 blocks.
 """
+import contextlib
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -97,7 +110,7 @@ class _BytesCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 name = func.overloadpacket.__name__
-                if name not in _VIEW_OPS and name.rstrip('_') not in _VIEW_OPS:
+                if not _is_view(name):
                     moved = (_tensor_bytes(args) + _tensor_bytes(kwargs or {})
                              + _tensor_bytes(out))
                     counter.ops += 1
@@ -116,7 +129,8 @@ class _BytesCounter:
 
 
 def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: torch.Tensor,
-                     amp: Optional[torch.dtype] = None, top: int = 15
+                     amp: Optional[torch.dtype] = None, top: int = 15,
+                     interpret_kernels: bool = False
                      ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     """Profile one training forward + backward of ``model`` on ``x`` (see module doc).
 
@@ -126,6 +140,11 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
         x: input ``(B, 3, H, W)`` on the device to profile.
         amp: autocast dtype or ``None``.
         top: how many kernels to list.
+        interpret_kernels: force our operators onto their Triton kernels, run under
+            Triton's interpreter (CPU ``x`` only; ``TRITON_INTERPRET=1`` must be set):
+            launches as on the CUDA dispatch path, no times (see module doc). The summary
+            then has ``forced_operators`` (how many modules were switched; a model with
+            none, e.g. a baseline, is profiled as without the flag).
 
     Returns:
         ``(summary, kernels)``: summary has ``infer_launches`` (an eval-mode forward
@@ -137,6 +156,25 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
         ``attn_bytes_ratio``, ``launch_unit``; kernels is a list of ``dict(kernel,
         calls, self_ms, share)``.
     """
+    if not interpret_kernels:
+        return _profile_backbone(model, run, x, amp, top, interpreted=False)
+    if x.device.type != 'cpu':
+        raise ValueError(f'interpret_kernels runs the Triton kernels under the interpreter, '
+                         f'on CPU tensors; got an input on {x.device}')
+    with forced_kernels(model) as forced:
+        if not forced:  # (a baseline: nothing to interpret, profiled as it is)
+            summary, kernels = _profile_backbone(model, run, x, amp, top, interpreted=False)
+        else:
+            with interpreted_launches():
+                summary, kernels = _profile_backbone(model, run, x, amp, top,
+                                                     interpreted=True)
+    summary['forced_operators'] = forced
+    return summary, kernels
+
+
+def _profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: torch.Tensor,
+                      amp: Optional[torch.dtype], top: int, interpreted: bool
+                      ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     from torch.profiler import ProfilerActivity, profile
 
     device = x.device
@@ -229,13 +267,70 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
         blocks=blocks, attention_layers=attn,
         fwd_per_block=fwd_l / blocks if blocks else None,
         bwd_per_block=bwd_l / blocks if blocks else None,
-        fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+        fwd_ms=None if interpreted else fwd_ms, bwd_ms=None if interpreted else bwd_ms,
         dispatch_ops_fwd=ops_f, dispatch_ops_bwd=ops_b,
         moved_mb_fwd=bytes_f / 2**20, moved_mb_bwd=bytes_b / 2**20,
         attn_moved_mb=attn_bytes / 2**20, attn_ideal_mb=ideal[0] / 2**20,
         attn_bytes_ratio=attn_bytes / ideal[0] if ideal[0] else None,
-        launch_unit='device kernels' if cuda else 'top-level aten ops')
+        launch_unit='device kernels' if cuda else
+        'top-level aten ops + interpreted Triton launches' if interpreted else
+        'top-level aten ops')
+    if interpreted:
+        return summary, _top_launches([prof_f, prof_b], top)
     return summary, _top_kernels([prof_f, prof_b], cuda, top)
+
+
+@contextlib.contextmanager
+def forced_kernels(model: nn.Module) -> Iterator[int]:
+    """Inside the block every module of ``model`` with a ``use_triton`` switch (FLA,
+    QuadTree) has it set to ``True``; yields how many; the settings are restored after."""
+    switched = [(m, m.use_triton) for m in model.modules() if hasattr(m, 'use_triton')]
+    try:
+        for m, _ in switched:
+            m.use_triton = True
+        yield len(switched)
+    finally:
+        for m, previous in switched:
+            m.use_triton = previous
+
+
+#: one kernel of each module of Triton kernels (checked to be interpreted)
+_KERNEL_MODULES = (('flatten_mm.models.layers.focused_linear_attention_triton', '_fla_kv_fwd'),
+                   ('flatten_mm.models.layers.quadtree_attention_triton',
+                    '_qt_gathered_kernel'))
+
+
+@contextlib.contextmanager
+def interpreted_launches() -> Iterator[None]:
+    """Inside the block every launch of an interpreted Triton kernel is recorded as a
+    ``triton::<kernel name>`` profiler event (the launch unit of ``interpret_kernels``).
+
+    Raises ``RuntimeError`` unless ``TRITON_INTERPRET=1`` is set and our kernel modules
+    were imported under it (Triton decides at import whether a kernel is interpreted).
+    """
+    import importlib
+    import os
+    if os.environ.get('TRITON_INTERPRET') != '1':
+        raise RuntimeError('interpreted kernels need TRITON_INTERPRET=1 in the environment '
+                           'before Triton kernels are imported (tools/analysis/benchmark.py '
+                           '--interpret-kernels sets it)')
+    from triton.runtime.interpreter import InterpretedFunction
+    for module, kernel in _KERNEL_MODULES:
+        if not isinstance(getattr(importlib.import_module(module), kernel),
+                          InterpretedFunction):
+            raise RuntimeError(f'{module} was imported without TRITON_INTERPRET=1: its '
+                               f'kernels need a GPU; set the variable before it is imported')
+    original = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        with torch.profiler.record_function(f'triton::{self.fn.__name__}'):
+            return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = original
 
 
 def _is_device_event(evt) -> bool:
@@ -249,18 +344,46 @@ def _launches(prof, cuda: bool) -> Tuple[int, float]:
         dev = [e for e in events if _is_device_event(e)]
         return len(dev), sum(e.device_time_total for e in dev) / 1e3
 
-    def has_aten_ancestor(e) -> bool:
+    return len(_top_level(events)), sum(e.self_cpu_time_total for e in events
+                                        if not _is_device_event(e)) / 1e3
+
+
+_LAUNCH_PREFIXES = ('aten::', 'triton::')
+
+
+def _top_level(events) -> list:
+    """CPU launches: ``aten::`` ops and (interpreted) ``triton::`` launches with no such
+    event above them (what runs inside an op or a launch is part of it)."""
+
+    def has_launch_ancestor(e) -> bool:
         p = e.cpu_parent
         while p is not None:
-            if p.name.startswith('aten::'):
+            if p.name.startswith(_LAUNCH_PREFIXES):
                 return True
             p = p.cpu_parent
         return False
 
-    top = [e for e in events if e.name.startswith('aten::') and not _is_device_event(e)
-           and not has_aten_ancestor(e)]
-    return len(top), sum(e.self_cpu_time_total for e in events
-                         if not _is_device_event(e)) / 1e3
+    return [e for e in events if e.name.startswith(_LAUNCH_PREFIXES)
+            and not _is_device_event(e) and not has_launch_ancestor(e)]
+
+
+def _is_view(name: str) -> bool:
+    op = name.split('::', 1)[-1]
+    return op in _VIEW_OPS or op.rstrip('_') in _VIEW_OPS
+
+
+def _top_launches(profs: Sequence[Any], top: int) -> List[Dict[str, Any]]:
+    """The ``top`` most frequent launches (``_top_level``) over the sessions, by calls;
+    views and other metadata ops (``_VIEW_OPS``: no kernel on a GPU) are left out, and
+    ``share`` is of the launches that remain."""
+    calls: Dict[str, int] = {}
+    for prof in profs:
+        for e in _top_level(prof.events()):
+            if not _is_view(e.name):
+                calls[e.name] = calls.get(e.name, 0) + 1
+    whole = sum(calls.values()) or 1
+    ranked = sorted(calls.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+    return [dict(kernel=name, calls=n, self_ms=None, share=n / whole) for name, n in ranked]
 
 
 def _top_kernels(profs: Sequence[Any], cuda: bool, top: int) -> List[Dict[str, Any]]:
@@ -287,14 +410,19 @@ def _top_kernels(profs: Sequence[Any], cuda: bool, top: int) -> List[Dict[str, A
 def run_profile(pairs: Dict[str, Sequence[str]], hw: Tuple[int, int] = (512, 512),
                 batch: int = 2, device: str = 'cpu', amp: Optional[torch.dtype] = None,
                 top: int = 15, quick: bool = False,
-                log: Optional[Callable[[str], None]] = None
+                log: Optional[Callable[[str], None]] = None,
+                interpret_kernels: bool = False
                 ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
-    """``profile_backbone`` for ours and the baselines of every family in ``pairs``.
+    """``profile_backbone`` for ours and the baselines of every family in ``pairs``
+    (with ``interpret_kernels``: ours on their interpreted Triton kernels, see the module
+    doc; the baselines as they are).
 
     Returns:
         ``(summary rows, kernel rows)``, both with ``suite`` (``'profile'`` /
         ``'profile_kernel'``), ``name``, ``device``, ``amp``, ``batch``, ``height``,
-        ``width``; a model that fails gets a summary row with ``note``.
+        ``width``, ``kernels`` (``'interpreted'`` for a model whose operators were forced
+        onto interpreted kernels, else the ``FLATTEN_MM_TRITON`` setting); a model that
+        fails gets a summary row with ``note``.
     """
     from .cases import backbone_cases
     from .train import amp_label, kernels_setting
@@ -316,7 +444,11 @@ def run_profile(pairs: Dict[str, Sequence[str]], hw: Tuple[int, int] = (512, 512
             model = available[name].build(tuple(hw)).to(device_)
             x = torch.randn(batch, 3, *hw, device=device_)
             summary, top_k = profile_backbone(
-                model, lambda t, m=model, c=available[name]: c.run(m, t), x, amp, top)
+                model, lambda t, m=model, c=available[name]: c.run(m, t), x, amp, top,
+                interpret_kernels)
+            if summary.get('forced_operators'):
+                base['kernels'] = 'interpreted'
+            summary.pop('forced_operators', None)
         except Exception as err:  # noqa: BLE001 - reported in the table
             summaries.append(dict(base, suite='profile',
                                   note=f'error: {type(err).__name__}: {str(err)[:200]}'))
@@ -333,7 +465,7 @@ def run_profile(pairs: Dict[str, Sequence[str]], hw: Tuple[int, int] = (512, 512
     return summaries, kernels
 
 
-PROFILE_COLUMNS = (('name', 'backbone'), ('amp', 'amp'),
+PROFILE_COLUMNS = (('name', 'backbone'), ('amp', 'amp'), ('kernels', 'kernels'),
                    ('infer_launches', 'launches inference fwd'),
                    ('fwd_launches', 'launches fwd'),
                    ('bwd_launches', 'launches bwd'), ('blocks', 'blocks'),
