@@ -17,7 +17,10 @@ Suites, all measured the same way (``timing``):
 * **profile** (``profiling``) -- one forward + backward under ``torch.profiler``: top
   kernels by self time, launches per forward / backward and per block, bytes moved
   against the ideal of the attention (without a GPU: with our operators on their Triton
-  kernels, run by Triton's interpreter).
+  kernels, run by Triton's interpreter);
+* **host syncs** (``syncs``) -- the ops of a forward / backward that make the host wait
+  for the device (``.item()``, tensors from Python data, value-dependent sizes), found
+  on any device.
 
 Timing: every case of a group (all ops at one shape, or one backbone family with its
 baselines at one resolution) runs in the same process, **alternating** round-robin after
@@ -34,7 +37,8 @@ Everything is importable without mmdet; the backbones of this package need mmeng
 dicts (one per measured case), written as a table, a CSV / JSON (``output``) and a
 log-log PNG with the fitted scaling exponent of every op (``plots``). Modules:
 ``timing`` (protocol), ``ops``, ``cases`` (backbones and ratios), ``train``,
-``profiling``, ``fastpath`` (fast path / compile checks), ``output``, ``plots``, ``env``.
+``profiling``, ``syncs``, ``fastpath`` (fast path / compile / host-sync checks),
+``output``, ``plots``, ``env``.
 """
 from .cases import (BACKBONE_PAIRS, RESOLUTIONS, BackboneCase, backbone_cases, quick_pairs,
                     ratio_rows, run_backbone_benchmark, tiny_backbones)
@@ -47,6 +51,7 @@ from .output import (BACKBONE_COLUMNS, CSV_COLUMNS, OP_COLUMNS, RATIO_COLUMNS, S
                      read_csv, write_csv)
 from .plots import plot_scaling
 from .profiling import KERNEL_COLUMNS, PROFILE_COLUMNS, profile_backbone, run_profile
+from .syncs import host_syncs, training_step_syncs
 from .timing import Timing, fit_exponent, measure_alternating, peak_memory_bytes
 from .train import (EXECS, STEPS, TRAIN_RESOLUTIONS, WHOLE_MODEL_PAIRS, backbone_step,
                     output_loss, run_step_benchmark, run_whole_model_benchmark,
@@ -57,8 +62,8 @@ __all__ = [
     'OP_COLUMNS', 'PROFILE_COLUMNS', 'QUADRATIC_OPS', 'RATIO_COLUMNS', 'RESOLUTIONS',
     'SIMA_COLUMNS', 'STEPS', 'STEP_COLUMNS', 'STEP_RATIO_COLUMNS', 'TRAIN_RESOLUTIONS',
     'WHOLE_MODEL_PAIRS', 'BackboneCase', 'Timing', 'backbone_step', 'markdown_ratio_table',
-    'output_loss', 'profile_backbone', 'run_profile', 'run_step_benchmark',
-    'run_whole_model_benchmark', 'step_ratio_rows', 'whole_model_pairs',
+    'output_loss', 'profile_backbone', 'run_profile', 'host_syncs', 'training_step_syncs',
+    'run_step_benchmark', 'run_whole_model_benchmark', 'step_ratio_rows', 'whole_model_pairs',
     'backbone_cases', 'check_fast_paths', 'compile_report', 'environment', 'fit_exponent',
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',

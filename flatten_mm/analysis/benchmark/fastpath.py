@@ -63,7 +63,8 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
 
     Returns:
         check name -> dict of relative differences (``|a - b|_max / |b|_max``) or an
-        ``'ERROR ...'`` string.
+        ``'ERROR ...'`` string; ``host_syncs``: backbone -> the ops of a training step that
+        synchronise the host with the device (``syncs.host_syncs``; empty lists expected).
     """
     from flatten_mm.models.layers import (FocusedLinearAttention, QuadTreeAttention,
                                           ShiftedWindowAttention, cpu_kernels, nchw_to_nlc,
@@ -163,11 +164,20 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
             out[name] = dict(device_vs_cpu=max(_rel(a.cpu(), b) for a, b in zip(got, ref)))
         return out
 
+    def syncs():
+        # ops that make the host wait for the device in a training step (empty: none)
+        from .syncs import training_step_syncs
+        out = {}
+        for name, (model, hw) in tiny_backbones().items():
+            found = training_step_syncs(model.to(dev), torch.randn(2, 3, *hw, device=dev))
+            out[name] = [f"{f['op']} at {f['where']} x{f['calls']}" for f in found]
+        return out
+
     results: Dict[str, Any] = {}
     try:
         for name, fn in [('fla_core', fla_core), ('token_conv', token_convs), ('sima', sima),
                          ('quadtree', quadtree), ('caches', caches),
-                         ('backbones_device_vs_cpu', backbones)]:
+                         ('backbones_device_vs_cpu', backbones), ('host_syncs', syncs)]:
             if name == 'backbones_device_vs_cpu' and not cuda:
                 continue
             try:

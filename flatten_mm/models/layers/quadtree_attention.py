@@ -349,7 +349,11 @@ def _child_candidates(index: torch.Tensor, parent_width: int) -> torch.Tensor:
     # index = y * pw + x  ->  top-left child 2y * 2pw + 2x = 2 * (index + y * pw)
     y = torch.div(index, parent_width, rounding_mode='floor')
     base = (index + y * parent_width) * 2
-    offsets = torch.tensor([0, 1, width, width + 1], device=index.device, dtype=index.dtype)
+    # offsets (0, 1, width, width + 1) made on the device: a tensor from Python data
+    # (torch.tensor([...], device=cuda)) is a synchronous host-to-device copy, which
+    # would stall the host until the GPU has drained its queue, at every level
+    t = torch.arange(2, device=index.device, dtype=index.dtype)
+    offsets = (t.unsqueeze(-1) * width + t).flatten()
     return (base.unsqueeze(-1) + offsets).flatten(-2)
 
 
