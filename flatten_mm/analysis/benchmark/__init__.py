@@ -51,7 +51,7 @@ from .output import (BACKBONE_COLUMNS, CSV_COLUMNS, OP_COLUMNS, RATIO_COLUMNS, S
                      read_csv, write_csv)
 from .plots import plot_scaling
 from .profiling import KERNEL_COLUMNS, PROFILE_COLUMNS, profile_backbone, run_profile
-from .syncs import host_syncs, training_step_syncs
+from .syncs import backbone_host_syncs, host_syncs, training_step_syncs
 from .timing import Timing, fit_exponent, measure_alternating, peak_memory_bytes
 from .train import (EXECS, STEPS, TRAIN_RESOLUTIONS, WHOLE_MODEL_PAIRS, backbone_step,
                     output_loss, run_step_benchmark, run_whole_model_benchmark,
@@ -62,8 +62,9 @@ __all__ = [
     'OP_COLUMNS', 'PROFILE_COLUMNS', 'QUADRATIC_OPS', 'RATIO_COLUMNS', 'RESOLUTIONS',
     'SIMA_COLUMNS', 'STEPS', 'STEP_COLUMNS', 'STEP_RATIO_COLUMNS', 'TRAIN_RESOLUTIONS',
     'WHOLE_MODEL_PAIRS', 'BackboneCase', 'Timing', 'backbone_step', 'markdown_ratio_table',
-    'output_loss', 'profile_backbone', 'run_profile', 'host_syncs', 'training_step_syncs',
-    'run_step_benchmark', 'run_whole_model_benchmark', 'step_ratio_rows', 'whole_model_pairs',
+    'output_loss', 'profile_backbone', 'run_profile', 'backbone_host_syncs', 'host_syncs',
+    'training_step_syncs', 'run_step_benchmark', 'run_whole_model_benchmark',
+    'step_ratio_rows', 'whole_model_pairs',
     'backbone_cases', 'check_fast_paths', 'compile_report', 'environment', 'fit_exponent',
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',

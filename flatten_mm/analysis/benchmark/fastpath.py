@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from .cases import tiny_backbones
+from .syncs import backbone_host_syncs
 
 
 def compile_report(model: nn.Module, x: torch.Tensor, backend: Optional[str] = None
@@ -164,20 +165,12 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
             out[name] = dict(device_vs_cpu=max(_rel(a.cpu(), b) for a, b in zip(got, ref)))
         return out
 
-    def syncs():
-        # ops that make the host wait for the device in a training step (empty: none)
-        from .syncs import training_step_syncs
-        out = {}
-        for name, (model, hw) in tiny_backbones().items():
-            found = training_step_syncs(model.to(dev), torch.randn(2, 3, *hw, device=dev))
-            out[name] = [f"{f['op']} at {f['where']} x{f['calls']}" for f in found]
-        return out
-
     results: Dict[str, Any] = {}
     try:
         for name, fn in [('fla_core', fla_core), ('token_conv', token_convs), ('sima', sima),
                          ('quadtree', quadtree), ('caches', caches),
-                         ('backbones_device_vs_cpu', backbones), ('host_syncs', syncs)]:
+                         ('backbones_device_vs_cpu', backbones),
+                         ('host_syncs', lambda: backbone_host_syncs(dev))]:
             if name == 'backbones_device_vs_cpu' and not cuda:
                 continue
             try:

@@ -23,7 +23,7 @@ frame outside torch).
 """
 import os.path as osp
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Union
 
 import torch
 
@@ -119,3 +119,19 @@ def training_step_syncs(model: torch.nn.Module, x: torch.Tensor, warmup: bool = 
         return host_syncs(step)
     finally:
         model.zero_grad(set_to_none=True)
+
+
+def backbone_host_syncs(device: Union[str, torch.device] = 'cpu') -> Dict[str, List[str]]:
+    """``training_step_syncs`` of a training step and of an inference forward of one small
+    model of every backbone family (``cases.tiny_backbones``) on ``device``: family ->
+    ``'train: <op> at <file:line> x<calls>'`` / ``'inference: ...'`` lines (empty: no
+    sync). What ``benchmark --check`` reports as ``host_syncs``."""
+    from .cases import tiny_backbones
+    out = {}
+    for name, (model, hw) in tiny_backbones().items():
+        x = torch.randn(2, 3, *hw, device=device)
+        model.to(device)
+        out[name] = [f"{kind}: {f['op']} at {f['where']} x{f['calls']}"
+                     for kind, train in (('train', True), ('inference', False))
+                     for f in training_step_syncs(model, x, train=train)]
+    return out
