@@ -281,6 +281,43 @@ def test_core_with_kernels_matches_pytorch_path(attn_type, levels, hw, heads, to
                                    msg=lambda m, i=i: f'grad of leaf {i}: {m}')
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('attn_type,levels,hw,heads,topks', CORE_CASES[:2])
+def test_core_reads_half_keys_and_values_as_they_are(attn_type, levels, hw, heads, topks,
+                                                     dtype, monkeypatch):
+    """With the kernels, half-precision key / value maps of the finer levels go to them
+    uncast (no float32 copy of both maps per level): the output and every gradient are
+    bit-identical to passing their float32 copies (the upcast in registers is exact), and
+    the PyTorch path (``use_triton=False``) still casts them itself."""
+    qs, ks, vs = _pyramids(2, 8 * heads, hw, levels, seed=11)
+    ks, vs = [t.to(dtype) for t in ks], [t.to(dtype) for t in vs]
+    weight = torch.softmax(torch.randn(levels, generator=_gen(12)), 0) \
+        if attn_type == 'B' else None
+    g = torch.randn(2, heads, hw[0] * hw[1], 8, generator=_gen(20))
+    seen = []
+    real = qt.final_level_b_triton if attn_type == 'B' else qt.final_level_a_triton
+    monkeypatch.setattr(qt, real.__name__,
+                        lambda q, k, v, *a: seen.append((k.dtype, v.dtype)) or real(q, k, v, *a))
+
+    def run(keys, values, flag):
+        xs = [t.clone().requires_grad_(True) for t in qs + keys + values]
+        S = len(qs)
+        out = qa.quadtree_attention_core(xs[:S], xs[S:2 * S], xs[2 * S:], heads, topks,
+                                         attn_type, weight, use_triton=flag)
+        return [out] + list(torch.autograd.grad(out, xs, g))
+
+    half = run(ks, vs, True)
+    assert seen == [(dtype, dtype)]  # the final level got the half maps
+    upcast = run([t.float() for t in ks], [t.float() for t in vs], True)
+    assert seen[1] == (torch.float32, torch.float32)
+    for a, b in zip(half, upcast):
+        assert a.dtype == b.dtype or (a.dtype == dtype and b.dtype == torch.float32)
+        assert torch.equal(a.float(), b.to(a.dtype).float())
+    reference = run(ks, vs, False)  # (casts to float32 on its own; no kernels)
+    torch.testing.assert_close(half[0], reference[0], rtol=0,
+                               atol=3e-6 * float(reference[0].detach().abs().max()))
+
+
 def test_module_with_kernels_matches_pytorch_path(monkeypatch):
     """``QuadTreeAttention(use_triton=True)`` (B, 3 levels, odd map: padded) gives the
     output and parameter gradients of ``use_triton=False`` and really runs the kernels."""

@@ -64,6 +64,8 @@ MarginRecorder = Callable[[int, float], None]
 
 #: default bound on the elements of one chunk of gathered key/value rows
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
+#: key / value dtypes the Triton kernels read as they are (an exact upcast in registers)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -224,6 +226,7 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
     if _use_qt_triton(use_triton, query, key, index, scores=True):
         from .quadtree_attention_triton import gathered_scores_triton
         return gathered_scores_triton(query, key, index)
+    key = key.to(query.dtype)  # (half keys reach here only if the kernel refused them)
     chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
     if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
         return _gathered_scores_inference(query, key, index, chunk)
@@ -287,6 +290,7 @@ def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Te
     if _use_qt_triton(use_triton, weight, value, index, scores=False):
         from .quadtree_attention_triton import gathered_messages_triton
         return gathered_messages_triton(weight, value, index)
+    value = value.to(weight.dtype)  # (as in gathered_scores)
     if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
         return _weighted_rows_sum(weight, value, index)
     chunk = _chunk_size(weight, index, value.shape[-1], chunk_elements)
@@ -467,9 +471,14 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         if (hi, wi) != (2 * grid[0], 2 * grid[1]):
             raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
                              f'({grid[0]}x{grid[1]})')
-        k = _to_heads(keys[i].float(), h)  # (B, h, hi*wi, d)
-        v = _to_heads(values[i].float(), h)
+        k = _to_heads(keys[i], h)  # (B, h, hi*wi, d)
+        v = _to_heads(values[i], h)
         kernels = _level_uses_triton(use_triton, k, 4 * prev_idx.shape[-1])
+        if not (kernels and k.dtype in _HALF and v.dtype in _HALF):
+            k, v = k.float(), v.float()
+        # (else bf16 / fp16 keys and values go to the kernels as they are: they read them
+        # into float32 registers, the same exact upcast as .float(), without writing a
+        # float32 copy of both maps first; a PyTorch fallback casts them)
         if inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
             # B: the level's LePE map is the buffer the messages are summed into
             init = None
