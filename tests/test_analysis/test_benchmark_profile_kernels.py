@@ -64,6 +64,8 @@ def test_interpreted_profile_counts_each_kernel_launch_once(triton_interpreter):
     assert summary['dispatch_ops_fwd'] < ref['dispatch_ops_fwd']
     assert summary['attn_moved_mb'] < ref['attn_moved_mb']
     assert summary['attn_ideal_mb'] == ref['attn_ideal_mb']
+    # the fused op saves q, k, v and two small sums instead of the unfused intermediates
+    assert 0 < summary['saved_mb'] < ref['saved_mb']
     assert summary['blocks'] == ref['blocks'] == 4
 
 

@@ -183,10 +183,21 @@ def test_profile_counts_follow_their_definitions():
     assert summary['moved_mb_fwd'] >= summary['attn_moved_mb'] >= summary['attn_ideal_mb']
     assert summary['attn_bytes_ratio'] == summary['attn_moved_mb'] / summary['attn_ideal_mb']
     assert summary['dispatch_ops_fwd'] > 0 and summary['dispatch_ops_bwd'] > 0
+    assert 0 < summary['saved_mb'] < summary['moved_mb_fwd']
     assert len(kernels) == 5
     assert [k['self_ms'] for k in kernels] == sorted((k['self_ms'] for k in kernels),
                                                      reverse=True)
     assert 0 < sum(k['share'] for k in kernels) <= 1 + 1e-9
+
+
+def test_profile_saved_bytes_follow_their_definition():
+    """saved_mb = the activations the forward saves for the backward, each storage once,
+    parameters excluded: Linear saves its input (the weight is a parameter), ReLU its
+    output, the second Linear its input = that same output."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    summary, _ = bm.profile_backbone(model, model, x, top=3)
+    assert summary['saved_mb'] * 2**20 == 5 * 8 * 4 + 5 * 16 * 4
 
 
 def test_profile_block_and_attention_detection_on_timm():

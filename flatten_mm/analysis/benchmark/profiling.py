@@ -2,7 +2,8 @@
 
 What decides a GPU backbone's speed at detection sizes is often not arithmetic but the
 number of kernels it launches and how many times its activations go through memory. One
-training forward + backward (after one untimed warm-up step) is recorded twice:
+training forward + backward (after one untimed warm-up step) is recorded twice (the
+second pass also sums what the forward saves for the backward, 3. below):
 
 1. under ``torch.profiler`` (CPU activity, plus CUDA on CUDA devices), forward and
    backward in two separate sessions (the training suite's loss and its own backward are
@@ -43,6 +44,12 @@ kernel, a fused operator's launches are its Triton kernels), and the bytes moved
 a fused operator as one op (its inputs + outputs). Times are the interpreter's and are
 not reported (``None``); the kernel table lists launches by calls instead (views left
 out: they launch nothing on a GPU).
+
+3. **saved for backward** (``saved_mb``): the bytes of the tensors the training forward
+   saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``; each
+   storage once, the model's parameters and buffers left out), the activation memory a
+   training step holds at its peak, on any device (the peak adds parameters, gradients,
+   optimizer state and transient buffers).
 
 ``blocks`` counts the outermost modules whose class name ends with ``Block`` or
 ``EncoderLayer`` (ours: ``PVTBlock``, ``PreNormBlock``, ``XCiTBlock``; timm ``Block``,
@@ -152,7 +159,7 @@ def profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: to
         ``blocks``, ``attention_layers``, ``fwd_per_block``, ``bwd_per_block``,
         ``fwd_ms`` / ``bwd_ms`` (profiled self time, device time on CUDA),
         ``dispatch_ops_fwd`` / ``_bwd`` (non-view aten ops seen by the dispatch mode),
-        ``moved_mb_fwd`` / ``_bwd``, ``attn_moved_mb``, ``attn_ideal_mb``,
+        ``moved_mb_fwd`` / ``_bwd``, ``saved_mb``, ``attn_moved_mb``, ``attn_ideal_mb``,
         ``attn_bytes_ratio``, ``launch_unit``; kernels is a list of ``dict(kernel,
         calls, self_ms, share)``.
     """
@@ -242,8 +249,20 @@ def _profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: t
 
         hooks.append(att.register_forward_pre_hook(pre, with_kwargs=True))
         hooks.append(att.register_forward_hook(post, with_kwargs=True))
+    # activations saved for the backward pass (unique storages, parameters and buffers
+    # excluded): the device-independent part of a training step's peak memory
+    resident = {t.untyped_storage().data_ptr() for t in
+                list(model.parameters()) + list(model.buffers())}
+    saved: Dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in resident:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
     try:
-        with counter.mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter.mode:
             out = forward()
         ops_f, bytes_f, attn_bytes = counter.ops, counter.bytes, counter.attn_bytes
         outs, grads = loss_grads(out)
@@ -270,6 +289,7 @@ def _profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: t
         fwd_ms=None if interpreted else fwd_ms, bwd_ms=None if interpreted else bwd_ms,
         dispatch_ops_fwd=ops_f, dispatch_ops_bwd=ops_b,
         moved_mb_fwd=bytes_f / 2**20, moved_mb_bwd=bytes_b / 2**20,
+        saved_mb=sum(saved.values()) / 2**20,
         attn_moved_mb=attn_bytes / 2**20, attn_ideal_mb=ideal[0] / 2**20,
         attn_bytes_ratio=attn_bytes / ideal[0] if ideal[0] else None,
         launch_unit='device kernels' if cuda else
@@ -473,6 +493,7 @@ PROFILE_COLUMNS = (('name', 'backbone'), ('amp', 'amp'), ('kernels', 'kernels'),
                    ('dispatch_ops_fwd', 'aten ops fwd'), ('dispatch_ops_bwd', 'aten ops bwd'),
                    ('fwd_ms', 'fwd ms'), ('bwd_ms', 'bwd ms'),
                    ('moved_mb_fwd', 'moved MiB fwd'), ('moved_mb_bwd', 'moved MiB bwd'),
+                   ('saved_mb', 'saved for bwd MiB'),
                    ('attn_moved_mb', 'attn moved MiB'), ('attn_ideal_mb', 'attn ideal MiB'),
                    ('attn_bytes_ratio', 'attn moved / ideal'), ('note', 'note'))
 KERNEL_COLUMNS = (('name', 'backbone'), ('rank', '#'), ('kernel', 'kernel / op'),
