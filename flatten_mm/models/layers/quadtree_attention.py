@@ -226,7 +226,8 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
     if _use_qt_triton(use_triton, query, key, index, scores=True):
         from .quadtree_attention_triton import gathered_scores_triton
         return gathered_scores_triton(query, key, index)
-    key = key.to(query.dtype)  # (half keys reach here only if the kernel refused them)
+    if key.dtype != query.dtype:  # (half keys reach here only if the kernel refused them)
+        key = key.to(query.dtype)
     chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
     if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
         return _gathered_scores_inference(query, key, index, chunk)
@@ -290,7 +291,8 @@ def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Te
     if _use_qt_triton(use_triton, weight, value, index, scores=False):
         from .quadtree_attention_triton import gathered_messages_triton
         return gathered_messages_triton(weight, value, index)
-    value = value.to(weight.dtype)  # (as in gathered_scores)
+    if value.dtype != weight.dtype:  # (as in gathered_scores)
+        value = value.to(weight.dtype)
     if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
         return _weighted_rows_sum(weight, value, index)
     chunk = _chunk_size(weight, index, value.shape[-1], chunk_elements)
