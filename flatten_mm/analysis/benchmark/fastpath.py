@@ -64,8 +64,9 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
 
     Returns:
         check name -> dict of relative differences (``|a - b|_max / |b|_max``) or an
-        ``'ERROR ...'`` string; ``host_syncs``: backbone -> the ops of a training step that
-        synchronise the host with the device (``syncs.host_syncs``; empty lists expected).
+        ``'ERROR ...'`` string; ``host_syncs``: backbone -> the ops of a training step and of an
+        inference forward that synchronise the host with the device
+        (``syncs.backbone_host_syncs``; empty lists expected).
     """
     from flatten_mm.models.layers import (FocusedLinearAttention, QuadTreeAttention,
                                           ShiftedWindowAttention, cpu_kernels, nchw_to_nlc,

@@ -33,6 +33,12 @@ second pass also sums what the forward saves for the backward, 3. below):
    ``attn_bytes_ratio = attention moved / ideal`` (forward only: backward ops are not
    attributed to modules).
 
+3. **saved for backward** (``saved_mb``): the bytes of the tensors the training forward
+   saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``; each
+   storage once, the model's parameters and buffers left out), the activation memory a
+   training step holds at its peak, on any device (the peak adds parameters, gradients,
+   optimizer state and transient buffers).
+
 **Kernels on, without a GPU** (``interpret_kernels=True``, CPU only): every operator with
 a ``use_triton`` switch is forced onto its Triton kernels, which run under Triton's
 interpreter (the kernel modules must have been imported with ``TRITON_INTERPRET=1``).
@@ -44,12 +50,6 @@ kernel, a fused operator's launches are its Triton kernels), and the bytes moved
 a fused operator as one op (its inputs + outputs). Times are the interpreter's and are
 not reported (``None``); the kernel table lists launches by calls instead (views left
 out: they launch nothing on a GPU).
-
-3. **saved for backward** (``saved_mb``): the bytes of the tensors the training forward
-   saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``; each
-   storage once, the model's parameters and buffers left out), the activation memory a
-   training step holds at its peak, on any device (the peak adds parameters, gradients,
-   optimizer state and transient buffers).
 
 ``blocks`` counts the outermost modules whose class name ends with ``Block`` or
 ``EncoderLayer`` (ours: ``PVTBlock``, ``PreNormBlock``, ``XCiTBlock``; timm ``Block``,
