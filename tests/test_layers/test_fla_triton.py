@@ -106,6 +106,51 @@ def test_forward_and_gradients_match_float64(case):
         assert _max_rel(t, r) < 1e-5, (name, _max_rel(t, r))
 
 
+def test_residual_is_added_before_the_one_rounding():
+    """The residual (the operators' DWC branch) is added in the output kernel: in float32
+    the result and every gradient equal the kernel without it plus ``residual`` (bit for
+    bit), the residual's gradient is the output's; with bfloat16 inputs and residual the
+    output is the float32 result of the same values rounded once (bit for bit), where
+    adding after the kernel would round twice."""
+    B, H, W, C, h = 2, 5, 7, 32, 2
+    N = H * W
+    q, k, v, s, pos = (t.float() for t in _problem(B, N, N, C, True))
+    # a channels-last map's tokens, as token_conv returns them (non-contiguous view)
+    res = _rand(B, C, H, W, seed=7).float().to(memory_format=torch.channels_last)
+    res = res.flatten(2).transpose(1, 2)
+    g = _rand(B, N, C, seed=9).float()
+
+    def run(residual):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, s, pos)]
+        extra = [] if residual is None else [residual.clone().requires_grad_(True)]
+        out = fla.focused_linear_core(*leaves[:4], h, 3, k_pos=leaves[4], use_triton=True,
+                                      residual=extra[0] if extra else None)
+        return out, torch.autograd.grad(out, leaves + extra, g)
+
+    fused, fused_grads = run(res)
+    plain, plain_grads = run(None)
+    assert torch.equal(fused, plain + res)
+    for a, b in zip(fused_grads[:5], plain_grads):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_grads[5], g)
+    # bfloat16: one rounding of the float32 sum
+    qb, kb, vb, posb, rb = (t.bfloat16() for t in (q, k, v, pos, res))
+    half = fla.focused_linear_core(qb, kb, vb, s, h, 3, k_pos=posb, use_triton=True,
+                                   residual=rb)
+    exact = fla.focused_linear_core(qb.float(), kb.float(), vb.float(), s, h, 3,
+                                    k_pos=posb.float(), use_triton=True, residual=rb.float())
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, exact.bfloat16())
+    twice = fla.focused_linear_core(qb, kb, vb, s, h, 3, k_pos=posb, use_triton=True) + rb
+    assert not torch.equal(twice, half)  # (so the test tells the two apart)
+    # the PyTorch path takes the same argument; a residual of another shape is refused
+    torch.testing.assert_close(
+        fla.focused_linear_core(q, k, v, s, h, 3, k_pos=pos, use_triton=False, residual=res),
+        fused, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match='residual'):
+        fla.focused_linear_core(q, k, v, s, h, 3, residual=res[:, :-1])
+
+
 def test_extreme_activations_stay_exact():
     """Activations of 1e6 with p = 5 (``||base^p||`` ~ 1e33, its square overflows float32)
     and tokens whose channels are all negative (``base`` = the 1e-6 floor, ``base^5`` ~
@@ -275,9 +320,12 @@ def test_custom_op_registration():
     q, k, v, s, pos = (t.float() for t in _problem(1, 6, 6, 16, True))
     for t in (q, k, v, s):
         t.requires_grad_(True)
-    torch.library.opcheck(torch.ops.flatten_mm.fla_core.default, (q, k, v, s, pos, 2, 3),
-                          test_utils=('test_schema', 'test_autograd_registration',
-                                      'test_faketensor'))
+    res = torch.randn(1, 6, 16).bfloat16().requires_grad_(True)
+    for residual in (None, res):
+        torch.library.opcheck(torch.ops.flatten_mm.fla_core.default,
+                              (q, k, v, s, pos, residual, 2, 3),
+                              test_utils=('test_schema', 'test_autograd_registration',
+                                          'test_faketensor'))
 
 
 def test_dynamo_sees_one_node():
@@ -347,7 +395,8 @@ def test_gpu_check_tool_check_runs_interpreted(monkeypatch):
     args.device = 'cpu'
     for dtype in ('fp32', 'bf16'):
         rec = tool.check_fla('tiny', dtype, args)
-        assert set(rec['errors']) == {'out', 'dq', 'dk', 'dv', 'dscale', 'dpos'}
+        assert set(rec['errors']) == {'out', 'dq', 'dk', 'dv', 'dscale', 'dpos',
+                                      'out+residual'}
         assert rec['passed'], rec
         assert (rec['tokens'], rec['keys']) == (16, 4)
 

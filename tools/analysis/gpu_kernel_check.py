@@ -209,7 +209,15 @@ def check_fla(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
               [t.double() for t in inputs], g.double())
     kern = run(core(True), inputs, g)
     torch_path = run(core(False), inputs, g)
-    names = ['out', 'dq', 'dk', 'dv', 'dscale', 'dpos']
+    # the DWC branch's residual, added inside the output kernel
+    res = torch.randn(B, N, C, device=dev, generator=gen).to(dtype)
+    with torch.no_grad():
+        kern.append(fla.focused_linear_core(q, k, v, scale, h, 3, k_pos=pos, use_triton=True,
+                                            residual=res))
+        torch_path.append(fla.focused_linear_core(q, k, v, scale, h, 3, k_pos=pos,
+                                                  use_triton=False, residual=res))
+    ref.append(ref[0] + res.double())
+    names = ['out', 'dq', 'dk', 'dv', 'dscale', 'dpos', 'out+residual']
     rec = dict(kernel='fla', case=case, dtype=dtype_name, batch=B, tokens=N, keys=n,
                channels=C, heads=h, sr_ratio=sr, errors={}, passed=True)
     for name, a, t, r in zip(names, kern, torch_path, ref):

@@ -47,7 +47,8 @@ def triton_env_enabled() -> bool:
 
 def _use_fla_triton(use_triton: Optional[bool], q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, scale: torch.Tensor, num_heads: int,
-                    focusing_factor: int, k_pos: Optional[torch.Tensor]) -> bool:
+                    focusing_factor: int, k_pos: Optional[torch.Tensor],
+                    residual: Optional[torch.Tensor] = None) -> bool:
     """Whether ``focused_linear_core`` runs the fused Triton kernels.
 
     ``FLATTEN_MM_TRITON=0`` or ``use_triton=False``: never. ``None`` (auto): on CUDA tensors
@@ -67,7 +68,8 @@ def _use_fla_triton(use_triton: Optional[bool], q: torch.Tensor, k: torch.Tensor
         raise RuntimeError(f'use_triton=True but the FLA Triton kernels do not import: '
                            f'{_triton_failed}')
     from . import focused_linear_attention_triton as fla_triton
-    why = fla_triton.check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos)
+    why = fla_triton.check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos,
+                                  residual)
     if why is not None and use_triton:
         raise ValueError(f'use_triton=True but the FLA Triton kernels cannot take these '
                          f'inputs: {why}')
@@ -183,7 +185,8 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: torch.Tensor, num_heads: int,
                         focusing_factor: int,
                         k_pos: Optional[torch.Tensor] = None,
-                        use_triton: Optional[bool] = None) -> torch.Tensor:
+                        use_triton: Optional[bool] = None,
+                        residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Kernel + linear attention on full-channel tokens, computed in float32.
 
     Fused form of ``focused_linear_core_reference`` (same maths, rounding-level
@@ -205,13 +208,21 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         use_triton: ``None`` (auto: the fused Triton kernels on CUDA), ``True`` (force
             them; an error if impossible) or ``False`` (this PyTorch path); see
             ``_use_fla_triton``. ``FLATTEN_MM_TRITON=0`` turns them off everywhere.
+        residual: optional ``(B, N, C)`` tensor added to the output (the operators' DWC
+            branch): here ``out + residual`` in the dtype of ``v``; the Triton kernels add
+            it in float32 inside their output pass (no extra kernel; one rounding).
 
     Returns:
-        ``(B, N, C)`` attention output in the dtype of ``v`` (without DWC).
+        ``(B, N, C)`` attention output in the dtype of ``v`` (plus ``residual``).
     """
-    if _use_fla_triton(use_triton, q, k, v, scale, num_heads, focusing_factor, k_pos):
+    if residual is not None and residual.shape != q.shape:
+        raise ValueError(f'residual {tuple(residual.shape)} must have the shape of q '
+                         f'{tuple(q.shape)}')
+    if _use_fla_triton(use_triton, q, k, v, scale, num_heads, focusing_factor, k_pos,
+                       residual):
         from .focused_linear_attention_triton import fla_core_triton
-        return fla_core_triton(q, k, v, scale, num_heads, focusing_factor, k_pos=k_pos)
+        return fla_core_triton(q, k, v, scale, num_heads, focusing_factor, k_pos=k_pos,
+                               residual=residual)
     out_dtype = v.dtype
     B, N, C = q.shape
     n = k.shape[1]
@@ -255,7 +266,8 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out = torch.empty(B, N, h, d, dtype=num.dtype, device=num.device)
             torch.div(num.transpose(1, 2), den.add_(eps).transpose(1, 2), out=out)
             out = out.view(B, N, C)
-    return out.to(out_dtype)
+    out = out.to(out_dtype)
+    return out if residual is None else out + residual.to(out_dtype)
 
 
 class FocusedLinearAttention(KVReductionMixin, nn.Module):
@@ -362,9 +374,6 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         # resized from the parameter in every call, never cached (see pos_embed)
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
                               self.pe_interp_mode)
-        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
-                                  k_pos=pe, use_triton=self.use_triton)
-
         # rank restoration: depthwise conv on V, shared by the heads
         n = v.shape[1]
         if n == N:
@@ -375,7 +384,8 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
             v_img = F.interpolate(v_img, size=N, mode='linear', align_corners=False)
             v_img = v_img.reshape(B * h, d, hw_shape[0], hw_shape[1])
             dwc = depthwise_conv(self.dwc, v_img).reshape(B, C, N).transpose(1, 2)
-        out = out + dwc.to(out.dtype)
+        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
+                                  k_pos=pe, use_triton=self.use_triton, residual=dwc)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
@@ -495,9 +505,9 @@ class _FocusedLinearRegion(nn.Module):
         # resized from the parameter in every call, never cached (see pos_embed)
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
                               self.pe_interp_mode)
+        dwc = token_conv(self.dwc, v, hw_shape, repeat=self.num_heads)
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
-                                  k_pos=pe, use_triton=self.use_triton)
-        out = out + token_conv(self.dwc, v, hw_shape, repeat=self.num_heads).to(out.dtype)
+                                  k_pos=pe, use_triton=self.use_triton, residual=dwc)
         if self.get_v is not None:
             out = out + token_conv(self.get_v, v, hw_shape).to(out.dtype)
         return out

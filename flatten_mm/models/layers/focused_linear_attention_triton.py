@@ -17,7 +17,9 @@ Forward, two kernels and one reduction:
    once, forms ``phi(k)`` in registers and accumulates per-chunk partial sums of
    ``phi(k)^T v`` and ``phi(k)``; the chunks are summed in PyTorch (deterministic).
 2. ``_fla_out_fwd`` (grid: token blocks x batch) reads ``q`` once and writes the
-   normalised ``phi(q) KV`` of every head, head-merged ``(B, N, C)``.
+   normalised ``phi(q) KV`` of every head, head-merged ``(B, N, C)``, plus an optional
+   residual read in the same pass (the operators' DWC branch: one add kernel less, and
+   one rounding in half precision).
 
 Backward (recompute-based, nothing ``(B, N, C)`` is saved but the inputs):
 ``_fla_q_bwd`` gives ``dphi(q)`` and partial ``dKV``, ``dmean``; ``_fla_k_bwd`` gives
@@ -157,13 +159,15 @@ def _fla_kv_fwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, kv_ptr, ks_ptr,
 
 
 @triton.jit
-def _fla_out_fwd(q_ptr, inv_s_ptr, kv_ptr, ks_ptr, o_ptr, N, C, inv_n,
-                 sqb, sqn, sqc, sob, son, soc,
+def _fla_out_fwd(q_ptr, inv_s_ptr, kv_ptr, ks_ptr, r_ptr, o_ptr, N, C, inv_n,
+                 sqb, sqn, sqc, srb, srn, src, sob, son, soc,
                  H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_C: tl.constexpr, P: tl.constexpr, PREC: tl.constexpr):
-    """``out = phi(q) KV / (phi(q) . mean(phi(k)) + 1e-6)`` of every head, for one block
-    of query tokens; ``kv_ptr`` / ``ks_ptr`` hold the (unscaled) sums ``(B, H, BD, BD)`` /
-    ``(B, H, BD)``."""
+                 BLOCK_C: tl.constexpr, P: tl.constexpr, HAS_RES: tl.constexpr,
+                 PREC: tl.constexpr):
+    """``out = phi(q) KV / (phi(q) . mean(phi(k)) + 1e-6) [+ residual]`` of every head,
+    for one block of query tokens; ``kv_ptr`` / ``ks_ptr`` hold the (unscaled) sums
+    ``(B, H, BD, BD)`` / ``(B, H, BD)``; the residual (``r_ptr``, any dtype, e.g. the DWC
+    branch) is added in float32 before the one rounding to the output dtype."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,6 +191,9 @@ def _fla_out_fwd(q_ptr, inv_s_ptr, kv_ptr, ks_ptr, o_ptr, N, C, inv_n,
         num = tl.dot(phi, kv, input_precision=PREC)
         den = tl.sum(phi * km[None, :], axis=1) + 1e-6
         out = num / den[:, None]
+        if HAS_RES:
+            out += tl.load(r_ptr + b.to(tl.int64) * srb + rows[:, None] * srn
+                           + cols[None, :] * src, mask=msk, other=0.).to(tl.float32)
         tl.store(o_b + rows[:, None] * son + cols[None, :] * soc,
                  _cast_rne(out, o_ptr.dtype.element_ty), mask=msk)
 
@@ -373,8 +380,8 @@ def _pos_args(k_pos: Optional[torch.Tensor], like: torch.Tensor):
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
-                 num_heads: int, focusing_factor: int,
-                 k_pos: Optional[torch.Tensor]) -> Optional[str]:
+                 num_heads: int, focusing_factor: int, k_pos: Optional[torch.Tensor],
+                 residual: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why the kernels cannot take these inputs (``None`` if they can)."""
     if not (q.dim() == k.dim() == v.dim() == 3):
         return (f'q, k, v must be (B, N, C), got {tuple(q.shape)}, {tuple(k.shape)}, '
@@ -397,9 +404,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
     if (not isinstance(focusing_factor, int) or isinstance(focusing_factor, bool)
             or focusing_factor < 1):
         return f'focusing_factor must be an int >= 1, got {focusing_factor!r}'
-    tensors = [t for t in (q, k, v, scale, k_pos) if t is not None]
-    bad = [t.dtype for t in (q, k, v) if t.dtype not in (torch.float32, torch.bfloat16,
-                                                          torch.float16)]
+    if residual is not None and residual.shape != q.shape:
+        return f'residual {tuple(residual.shape)} does not match q {tuple(q.shape)}'
+    tensors = [t for t in (q, k, v, scale, k_pos, residual) if t is not None]
+    bad = [t.dtype for t in (q, k, v, residual) if t is not None and t.dtype not in (
+        torch.float32, torch.bfloat16, torch.float16)]
     if bad:
         return f'dtype {bad[0]} (the kernels take float32 / bfloat16 / float16)'
     return device_problem(tensors, __name__)
@@ -424,11 +433,11 @@ def device_problem(tensors, module: str) -> Optional[str]:
 _KERNELS = {'_fla_kv_fwd': _fla_kv_fwd, '_fla_out_fwd': _fla_out_fwd, '_fla_q_bwd': _fla_q_bwd,
             '_fla_k_bwd': _fla_k_bwd, '_focus_bwd': _focus_bwd}
 #: pointer arguments in the input / output dtype (all others are float32)
-_IO_POINTERS = ('q_ptr', 'k_ptr', 'v_ptr', 'o_ptr', 'g_ptr', 'dv_ptr', 'x_ptr')
+_IO_POINTERS = ('q_ptr', 'k_ptr', 'v_ptr', 'r_ptr', 'o_ptr', 'g_ptr', 'dv_ptr', 'x_ptr')
 
 
 def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.dtype,
-              has_pos: bool = True) -> list:
+              has_pos: bool = True, has_res: bool = True) -> list:
     """What the launches of one call compile: ``(name, kernel, signature, constexprs,
     options)`` per kernel, for ahead-of-time compilation without a GPU
     (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``, see
@@ -440,7 +449,7 @@ def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.
     cfg = _cfg(channels, channels // num_heads)
     options = dict(num_warps=cfg.pop('num_warps'))
     const = dict(cfg, H=num_heads, D=channels // num_heads, P=focusing_factor,
-                 HAS_POS=has_pos)
+                 HAS_POS=has_pos, HAS_RES=has_res)
     specs = []
     for name, fn in _KERNELS.items():
         sig, cst = {}, {}
@@ -461,7 +470,8 @@ def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.
 
 @torch.library.triton_op('flatten_mm::fla_core', mutates_args=())
 def _fla_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
-                 k_pos: Optional[torch.Tensor], num_heads: int,
+                 k_pos: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                 num_heads: int,
                  focusing_factor: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, N, C = q.shape
     n = k.shape[1]
@@ -479,14 +489,15 @@ def _fla_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
     kv = kv_p.sum(0)
     ks = ks_p.sum(0)
     out = torch.empty((B, N, C), dtype=v.dtype, device=q.device)
+    res = q if residual is None else residual
     torch.library.wrap_triton(_fla_out_fwd)[(triton.cdiv(N, cfg['BLOCK_N']), B)](
-        q, inv_s, kv, ks, out, N, C, 1.0 / n, *q.stride(), *out.stride(),
-        H=num_heads, D=d, P=focusing_factor, **cfg)
+        q, inv_s, kv, ks, res, out, N, C, 1.0 / n, *q.stride(), *res.stride(), *out.stride(),
+        H=num_heads, D=d, P=focusing_factor, HAS_RES=residual is not None, **cfg)
     return out, kv, ks
 
 
 @_fla_core_op.register_fake
-def _(q, k, v, scale, k_pos, num_heads, focusing_factor):
+def _(q, k, v, scale, k_pos, residual, num_heads, focusing_factor):
     B, N, C = q.shape
     bd = max(16, triton.next_power_of_2(C // num_heads))
     return (q.new_empty((B, N, C), dtype=v.dtype),
@@ -552,9 +563,10 @@ def _(grad, q, k, v, scale, k_pos, kv, ks, num_heads, focusing_factor):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, k_pos, num_heads, focusing_factor = inputs
+    q, k, v, scale, k_pos, residual, num_heads, focusing_factor = inputs
     _, kv, ks = output
     ctx.save_for_backward(q, k, v, scale, k_pos, kv, ks)
+    ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.num_heads = num_heads
     ctx.focusing_factor = focusing_factor
     ctx.mark_non_differentiable(kv, ks)
@@ -565,7 +577,9 @@ def _backward(ctx, grad_out, grad_kv, grad_ks):
     dq, dk, dv, dscale, dpos = torch.ops.flatten_mm.fla_core_backward(
         grad_out, q, k, v, scale, k_pos, kv, ks, ctx.num_heads, ctx.focusing_factor)
     dpos = dpos.reshape(k_pos.shape).to(k_pos.dtype) if k_pos is not None else None
-    return dq, dk, dv, dscale.reshape(scale.shape), dpos, None, None
+    # the residual is added to the output: its gradient is the output's (no kernel)
+    dres = None if ctx.residual_dtype is None else grad_out.to(ctx.residual_dtype)
+    return dq, dk, dv, dscale.reshape(scale.shape), dpos, dres, None, None
 
 
 _fla_core_op.register_autograd(_backward, setup_context=_setup_context)
@@ -573,9 +587,10 @@ _fla_core_op.register_autograd(_backward, setup_context=_setup_context)
 
 def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
                     num_heads: int, focusing_factor: int,
-                    k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    k_pos: Optional[torch.Tensor] = None,
+                    residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``focused_linear_core`` by the fused kernels (differentiable in ``q, k, v, scale,
-    k_pos``; no double backward).
+    k_pos, residual``; no double backward).
 
     Args:
         q: ``(B, N, C)`` queries (any strides), float32 / bfloat16 / float16.
@@ -585,6 +600,10 @@ def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: to
         num_heads: ``h`` (``C % h == 0``, head dim at most 128).
         focusing_factor: integer power ``p >= 1``.
         k_pos: optional ``(1, n, C)`` positional encoding added to the keys.
+        residual: optional ``(B, N, C)`` tensor (any strides, float32 / bfloat16 /
+            float16) added to the output inside the output kernel, in float32 before
+            the one rounding (FLA's DWC branch: no separate add kernel; its gradient is
+            the output's).
 
     Returns:
         ``(B, N, C)`` in the dtype of ``v`` (computed in float32).
@@ -592,12 +611,12 @@ def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: to
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos)
+    why = check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos, residual)
     if why is not None:
         raise ValueError(f'FLA Triton kernels: {why}')
     with torch.autocast(device_type=q.device.type, enabled=False):
-        out, _, _ = torch.ops.flatten_mm.fla_core(q, k, v, scale, k_pos, int(num_heads),
-                                                   int(focusing_factor))
+        out, _, _ = torch.ops.flatten_mm.fla_core(q, k, v, scale, k_pos, residual,
+                                                   int(num_heads), int(focusing_factor))
     return out
 
 
