@@ -307,6 +307,167 @@ def test_operators_with_kernels_match_pytorch_path(monkeypatch):
     assert len(calls) == 2  # one per operator (Swin's windows are folded into the batch)
 
 
+def _pvt_operator(C=32, h=2, seed=0):
+    """FLatten-PVT's operator without key reduction (the released models), with random
+    scale, positional table and biases."""
+    torch.manual_seed(seed)
+    m = FocusedLinearAttention(C, h, sr_ratio=1, pretrain_hw_shape=(5, 7))
+    with torch.no_grad():
+        for prm in (m.scale, m.positional_encoding, m.kv.bias, m.dwc.bias):
+            prm.normal_(0, 0.5)
+    return m
+
+
+def _unfused_kernel_forward(m, x, hw):
+    """The operator's forward with the core's kernels but the projection, the split and
+    the DWC left to autograd (the path before ``fla_kv_projected``)."""
+    from flatten_mm.models.layers.conv import token_conv
+    from flatten_mm.models.layers.pos_embed import resize_pos_table
+    q = m.q(x)
+    k, v = m.kv(x).chunk(2, dim=-1)
+    pe = resize_pos_table(m.positional_encoding, m.pe_hw_shape, hw, m.pe_interp_mode)
+    dwc = token_conv(m.dwc, v, hw, repeat=m.num_heads)
+    out = fla.focused_linear_core(q, k, v, m.scale, m.num_heads, m.focusing_factor, k_pos=pe,
+                                  use_triton=True, residual=dwc)
+    return m.proj(out)
+
+
+def _forward_backward(fn, m, x):
+    m.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    out = fn(xi)
+    out.float().square().sum().backward()
+    return out.detach(), xi.grad, {k: p.grad.clone() for k, p in m.named_parameters()}
+
+
+def test_projected_operator_matches_the_unfused_kernels(monkeypatch):
+    """Without key reduction the operator runs ``fla_kv_projected_triton`` (kv projection,
+    DWC and core in one ``autograd.Function``, k / v recomputed in the backward): in float32 its
+    output, input gradient and every parameter gradient equal those of the same kernels
+    with the projection, split and DWC left to autograd, bit for bit, and the PyTorch
+    path's within 1e-5 / 1e-4."""
+    calls = []
+    real = fla_triton.fla_kv_projected_triton
+    monkeypatch.setattr(fla_triton, 'fla_kv_projected_triton',
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    m = _pvt_operator()
+    hw = (5, 7)
+    x = torch.randn(2, 35, 32)
+    m.use_triton = True
+    out, dx, grads = _forward_backward(lambda t: m(t, hw), m, x)
+    assert len(calls) == 1
+    ref, ref_dx, ref_grads = _forward_backward(lambda t: _unfused_kernel_forward(m, t, hw),
+                                               m, x)
+    assert torch.equal(out, ref) and torch.equal(dx, ref_dx)
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+    m.use_triton = False
+    out_p, dx_p, grads_p = _forward_backward(lambda t: m(t, hw), m, x)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, out_p, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dx_p, rtol=1e-4, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_p[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda msg, n=name: f'{n}: {msg}')
+
+
+def test_projected_operator_under_bf16_autocast():
+    """Under bf16 autocast the op casts x and the kv / DWC parameters as ``nn.Linear`` /
+    ``nn.Conv2d`` would: the bf16 output and every float32 parameter gradient not
+    downstream of dv equal the unfused kernels' bit for bit; dv's two parts are summed in
+    float32 inside the key kernel (the unfused path rounds each to bf16 first), so the kv
+    gradients and dx differ from it within bf16 rounding (norm-wise relative 2^-8;
+    observed 2.4e-3 / 3.4e-4 / 2.9e-3, where both paths are about 1e-2 from float32)."""
+    m = _pvt_operator(seed=1)
+    hw = (5, 7)
+    x = torch.randn(2, 35, 32)
+    m.use_triton = True
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out, dx, grads = _forward_backward(lambda t: m(t, hw), m, x)
+        ref, ref_dx, ref_grads = _forward_backward(
+            lambda t: _unfused_kernel_forward(m, t, hw), m, x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    assert 0 < rel(dx, ref_dx) < 2**-8
+    for name in grads:
+        assert grads[name].dtype == torch.float32, name
+        if name.startswith('kv.'):
+            assert rel(grads[name], ref_grads[name]) < 2**-8, name
+        else:
+            assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_projected_operator_keeps_no_key_value_tensor():
+    """What a training forward saves for the backward: the unfused kernels keep the
+    ``(B, N, 2C)`` kv projection (the core needs k, v; the DWC needs v); the projected op
+    keeps none (it recomputes k, v from x, which the q projection keeps anyway), so the
+    layer saves 2C channels per token less."""
+    m = _pvt_operator()
+    m.use_triton = True
+    hw = (5, 7)
+    x = torch.randn(2, 35, 32, requires_grad=True)
+
+    def saved(fn):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = (tuple(t.shape),
+                                                        t.untyped_storage().nbytes())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x)
+        params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        return {k: v for k, v in storages.items() if k not in params}
+
+    fused = saved(lambda t: m(t, hw))
+    unfused = saved(lambda t: _unfused_kernel_forward(m, t, hw))
+    kv_bytes = 2 * 35 * 64 * 4
+    assert any(nbytes == kv_bytes for _, nbytes in unfused.values())
+    assert not any(nbytes == kv_bytes for _, nbytes in fused.values()), fused
+    assert (sum(b for _, b in unfused.values()) - sum(b for _, b in fused.values())
+            == kv_bytes)
+
+
+def test_packed_backward_op_registration():
+    """Schema and fake implementation of ``flatten_mm::fla_core_backward_packed`` (the
+    backward of the projected operator), with and without the positional table and the
+    extra dv (``torch.library.opcheck``); its ``[dk | dv]`` equals the unpacked op's."""
+    B, N, C, h = 2, 12, 16, 2
+    q, k, v, s, pos = (t.float() for t in _problem(B, N, N, C, True))
+    g, extra = _rand(B, N, C, seed=8).float(), _rand(B, N, C, seed=9).float()
+    _, kv, ks = torch.ops.flatten_mm.fla_core(q, k, v, s, pos, None, h, 3)
+    for table, dv_extra in ((pos, extra), (None, None)):
+        torch.library.opcheck(torch.ops.flatten_mm.fla_core_backward_packed.default,
+                              (g, q, k, v, s, table, kv, ks, dv_extra, h, 3),
+                              test_utils=('test_schema', 'test_faketensor'))
+    dq, dkv, dscale, dpos = torch.ops.flatten_mm.fla_core_backward_packed(
+        g, q, k, v, s, pos, kv, ks, extra, h, 3)
+    ref = torch.ops.flatten_mm.fla_core_backward(g, q, k, v, s, pos, kv, ks, h, 3)
+    assert torch.equal(dq, ref[0]) and torch.equal(dscale, ref[3])
+    assert torch.equal(dpos, ref[4])
+    assert torch.equal(dkv[..., :C], ref[1]) and torch.equal(dkv[..., C:], ref[2] + extra)
+
+
+def test_projected_inputs_refused_with_reasons():
+    C = 8
+    q = torch.zeros(1, 6, C)
+    w, dw = torch.zeros(2 * C, C), torch.zeros(C, 1, 3, 3)
+    check = fla_triton.check_projected_inputs
+    assert check(q, q, w, None, dw, None, (2, 3)) is None
+    assert 'no key reduction' in check(q, q[:, :4], w, None, dw, None, (2, 3))
+    assert 'map' in check(q, q, w, None, dw, None, (2, 2))
+    assert 'C -> 2C' in check(q, q, w[:C], None, dw, None, (2, 3))
+    assert 'odd-k' in check(q, q, w, None, torch.zeros(C, 1, 4, 4), None, (2, 3))
+    assert 'dtypes' in check(q, q, w.double(), None, dw, None, (2, 3))
+    with pytest.raises(ValueError, match='C -> 2C'):
+        fla_triton.fla_kv_projected_triton(q, q, w[:C], None, torch.zeros(1, 1, C), 2, 3,
+                                           (2, 3), dw)
+
+
 def test_backbone_attn_cfg_reaches_the_operator():
     from flatten_mm.models.backbones import FLattenPVTv2
     model = FLattenPVTv2(arch='b0', attn_cfg=dict(use_triton=False))
@@ -349,6 +510,32 @@ def test_dynamo_sees_one_node():
                and n.target is not operator.getitem and 'autocast' not in str(n.target)]
     assert targets in ([op], [op.default]), targets  # nothing but the op
     assert torch.equal(out, f(q, k, v, s, pos))
+
+
+def test_dynamo_captures_the_projected_operator_whole():
+    """FLatten-PVT's operator with the kernels (the projected path) compiles in one graph
+    (``fullgraph``: the ``autograd.Function`` is traced, no break) whose forward and
+    backward bodies hold one ``fla_core`` / ``fla_core_backward_packed`` node each, and the
+    compiled output equals eager."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    m = _pvt_operator()
+    m.use_triton = True
+    x = torch.randn(2, 35, 32)
+    out = torch.compile(lambda t: m(t, (5, 7)), backend=backend, fullgraph=True)(x)
+    assert len(graphs) == 1
+    top = [str(n.target) for n in graphs[0].graph.nodes if n.op == 'call_function']
+    assert 'autograd_function_apply' in top, top
+    # the Function's forward and backward bodies are subgraphs of the captured graph
+    inner = [str(n.target) for _, sub in graphs[0].named_modules() if hasattr(sub, 'graph')
+             for n in sub.graph.nodes if n.op == 'call_function']
+    for op in ('flatten_mm.fla_core', 'flatten_mm.fla_core_backward_packed'):
+        assert sum(t in (op, op + '.default') for t in inner) == 1, (op, inner)
+    assert torch.equal(out, m(x, (5, 7)))
 
 
 # --------------------------------------------------------------------------- GPU check tool

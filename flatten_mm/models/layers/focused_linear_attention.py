@@ -18,7 +18,9 @@ No ``N x N`` tensor is formed: cost and memory are linear in the token count.
 
 On CUDA the kernel + linear attention run as fused Triton kernels (forward and backward,
 ``focused_linear_attention_triton``) when Triton imports; ``use_triton=False`` (operator
-argument) or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path below.
+argument) or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path below. There
+``FocusedLinearAttention`` without key reduction also recomputes K, V from its input in
+the backward rather than keeping them (``fla_kv_projected_triton``).
 """
 import os
 import warnings
@@ -370,10 +372,20 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         B, N, C = x.shape
         q = self.q(x)
         x_kv, kv_hw = self.reduce_kv_input(x, hw_shape)
-        k, v = self.kv(x_kv).chunk(2, dim=-1)
         # resized from the parameter in every call, never cached (see pos_embed)
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
                               self.pe_interp_mode)
+        if x_kv is x and self._projected_kernels(q, x, pe):
+            # no key reduction (the released models): kv projection, DWC and core as one
+            # op, whose backward recomputes k, v instead of keeping them
+            from .focused_linear_attention_triton import fla_kv_projected_triton
+            h = self.num_heads
+            out = fla_kv_projected_triton(
+                q, x, self.kv.weight, self.kv.bias, self.scale, h, self.focusing_factor,
+                hw_shape, self.dwc.weight.repeat(h, 1, 1, 1),
+                None if self.dwc.bias is None else self.dwc.bias.repeat(h), k_pos=pe)
+            return self.proj_drop(self.proj(out))
+        k, v = self.kv(x_kv).chunk(2, dim=-1)
         # rank restoration: depthwise conv on V, shared by the heads
         n = v.shape[1]
         if n == N:
@@ -387,6 +399,24 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
                                   k_pos=pe, use_triton=self.use_triton, residual=dwc)
         return self.proj_drop(self.proj(out))
+
+    def _projected_kernels(self, q: torch.Tensor, x: torch.Tensor,
+                           pe: Optional[torch.Tensor]) -> bool:
+        """Whether ``forward`` runs ``fla_kv_projected_triton`` (no key reduction): the FLA
+        kernels apply (``_use_fla_triton``; with ``use_triton=True`` an error says why
+        not), the DWC is a same-padding odd square kernel and, outside autocast, ``x`` and
+        the parameters share a dtype (metadata only: no tensor is made to decide)."""
+        if not _use_fla_triton(self.use_triton, q, x, x, self.scale, self.num_heads,
+                               self.focusing_factor, pe):
+            return False
+        conv = self.dwc
+        k = conv.kernel_size[0]
+        if (conv.kernel_size != (k, k) or k % 2 == 0 or conv.stride != (1, 1)
+                or conv.dilation != (1, 1) or conv.padding != (k // 2, k // 2)
+                or conv.padding_mode != 'zeros'):
+            return False
+        return (torch.is_autocast_enabled(x.device.type)
+                or x.dtype == self.kv.weight.dtype == conv.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '

@@ -31,6 +31,14 @@ Both directions are ``torch.library.triton_op`` custom ops (``flatten_mm::fla_co
 ``flatten_mm::fla_core_backward``) joined by ``register_autograd``, so autograd treats the
 forward as one function with its backward and ``torch.compile`` sees one node each.
 
+FLatten-PVT's layers without key reduction (the released models) go one step further,
+``fla_kv_projected_triton``: the ``kv`` projection, the DWC and the core form one
+``autograd.Function`` whose backward recomputes ``k, v`` from the projection's input (one
+GEMM) instead of keeping the ``(B, N, 2C)`` projection for the backward, adds the DWC's
+``dv`` inside the key kernel and writes ``[dk | dv]`` as the projection's gradient
+(``flatten_mm::fla_core_backward_packed``): no add, no concatenation, and the layer keeps
+the activations of a softmax layer with reduced keys (its input, ``q`` and its output).
+
 On CUDA tensors the kernels are compiled by Triton; on CPU tensors they run only under
 Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before this
 module is imported (Triton reads it when the kernels are decorated) -- the tests do so.
@@ -41,6 +49,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .conv import map_as_tokens, tokens_as_map
 
 #: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -249,13 +259,16 @@ def _fla_q_bwd(q_ptr, g_ptr, inv_s_ptr, kv_ptr, ks_ptr, dphi_ptr, dkv_ptr, dks_p
 
 
 @triton.jit
-def _fla_k_bwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, dkv_ptr, dks_ptr, dphi_ptr, dv_ptr,
-               n, C, inv_n, skb, skn, skc, spn, spc, svb, svn, svc, sdvb, sdvn, sdvc,
+def _fla_k_bwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, dkv_ptr, dks_ptr, dphi_ptr, e_ptr, dv_ptr,
+               n, C, inv_n, skb, skn, skc, spn, spc, svb, svn, svc, seb, sen, sec,
+               sdvb, sdvn, sdvc,
                H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_C: tl.constexpr, P: tl.constexpr, HAS_POS: tl.constexpr,
-               PREC: tl.constexpr):
+               HAS_EXTRA: tl.constexpr, PREC: tl.constexpr):
     """Key side of the backward, one block of key tokens, batch element and head:
-    ``dphi(k) = (v dKV^T + dmean) / n`` (float32 ``(B, n, C)``) and ``dv = phi(k) dKV / n``."""
+    ``dphi(k) = (v dKV^T + dmean) / n`` (float32 ``(B, n, C)``) and ``dv = phi(k) dKV / n``
+    [+ the gradient ``e_ptr`` that v receives elsewhere, e.g. from the DWC branch, added in
+    float32 before the one rounding]."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -280,19 +293,24 @@ def _fla_k_bwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, dkv_ptr, dks_ptr, dphi_ptr, dv_
     tl.store(dphi_ptr + b.to(tl.int64) * n * C + rows[:, None] * C + cols[None, :], dphi,
              mask=msk)
     dv = tl.dot(phi, dkv, input_precision=PREC) * inv_n
+    if HAS_EXTRA:
+        dv += tl.load(e_ptr + b.to(tl.int64) * seb + rows[:, None] * sen + cols[None, :] * sec,
+                      mask=msk, other=0.).to(tl.float32)
     tl.store(dv_ptr + b.to(tl.int64) * sdvb + rows[:, None] * sdvn + cols[None, :] * sdvc,
              _cast_rne(dv, dv_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit
-def _focus_bwd(x_ptr, pos_ptr, inv_s_ptr, dphi_ptr, dsp_ptr, N, C,
-               sxb, sxn, sxc, spn, spc,
+def _focus_bwd(x_ptr, pos_ptr, inv_s_ptr, dphi_ptr, dx_ptr, dsp_ptr, N, C,
+               sxb, sxn, sxc, spn, spc, sdb, sdn, sdc,
                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, P: tl.constexpr,
-               HAS_POS: tl.constexpr):
+               HAS_POS: tl.constexpr, KEEP_F32: tl.constexpr):
     """``dL/dphi`` -> ``dL/dx`` through the focusing function, for one block of tokens
-    (all channels). ``dphi_ptr`` (contiguous float32 ``(B, N, C)``) is overwritten with
-    ``dL/dx``; ``dsp_ptr[block, :]`` receives the block's ``sum dL/dbase * (ReLU(x)+1e-6)``
-    (the gradient of ``1 / softplus(scale)``)."""
+    (all channels). ``dphi_ptr``: contiguous float32 ``(B, N, C)``; ``dL/dx`` goes to
+    ``dx_ptr`` (strides ``sd*``, rounded to its dtype; it may be ``dphi_ptr`` itself) and,
+    with ``KEEP_F32``, also in float32 over ``dphi`` (for the positional table's sum);
+    ``dsp_ptr[block, :]`` receives the block's ``sum dL/dbase * (ReLU(x)+1e-6)`` (the
+    gradient of ``1 / softplus(scale)``)."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,7 +346,10 @@ def _focus_bwd(x_ptr, pos_ptr, inv_s_ptr, dphi_ptr, dsp_ptr, N, C,
         dbase = tl.where(msk, dbase, 0.)
         inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
         dx = tl.where(x > 0., dbase * inv_s[None, :], 0.)
-        tl.store(d_b + rows[:, None] * C + cols[None, :], dx, mask=msk)
+        if KEEP_F32:
+            tl.store(d_b + rows[:, None] * C + cols[None, :], dx, mask=msk)
+        tl.store(dx_ptr + b.to(tl.int64) * sdb + rows[:, None] * sdn + cols[None, :] * sdc,
+                 _cast_rne(dx, dx_ptr.dtype.element_ty), mask=msk)
         tl.store(dsp_ptr + blk * C + cols, tl.sum(dbase * (tl.maximum(x, 0.) + 1e-6), axis=0),
                  mask=cols < C)
 
@@ -433,7 +454,8 @@ def device_problem(tensors, module: str) -> Optional[str]:
 _KERNELS = {'_fla_kv_fwd': _fla_kv_fwd, '_fla_out_fwd': _fla_out_fwd, '_fla_q_bwd': _fla_q_bwd,
             '_fla_k_bwd': _fla_k_bwd, '_focus_bwd': _focus_bwd}
 #: pointer arguments in the input / output dtype (all others are float32)
-_IO_POINTERS = ('q_ptr', 'k_ptr', 'v_ptr', 'r_ptr', 'o_ptr', 'g_ptr', 'dv_ptr', 'x_ptr')
+_IO_POINTERS = ('q_ptr', 'k_ptr', 'v_ptr', 'r_ptr', 'o_ptr', 'g_ptr', 'e_ptr', 'dv_ptr',
+                'x_ptr', 'dx_ptr')
 
 
 def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.dtype,
@@ -449,7 +471,7 @@ def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.
     cfg = _cfg(channels, channels // num_heads)
     options = dict(num_warps=cfg.pop('num_warps'))
     const = dict(cfg, H=num_heads, D=channels // num_heads, P=focusing_factor,
-                 HAS_POS=has_pos, HAS_RES=has_res)
+                 HAS_POS=has_pos, HAS_RES=has_res, HAS_EXTRA=has_res, KEEP_F32=has_pos)
     specs = []
     for name, fn in _KERNELS.items():
         sig, cst = {}, {}
@@ -468,11 +490,11 @@ def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.
 # custom ops
 
 
-@torch.library.triton_op('flatten_mm::fla_core', mutates_args=())
-def _fla_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
-                 k_pos: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-                 num_heads: int,
-                 focusing_factor: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                     k_pos: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                     num_heads: int, focusing_factor: int):
+    """The forward launches: ``out`` (dtype of ``v``) and the float32 sums ``KV``, ``K``
+    (saved for the backward)."""
     B, N, C = q.shape
     n = k.shape[1]
     d = C // num_heads
@@ -496,6 +518,14 @@ def _fla_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
     return out, kv, ks
 
 
+@torch.library.triton_op('flatten_mm::fla_core', mutates_args=())
+def _fla_core_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                 k_pos: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                 num_heads: int,
+                 focusing_factor: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_kernels(q, k, v, scale, k_pos, residual, num_heads, focusing_factor)
+
+
 @_fla_core_op.register_fake
 def _(q, k, v, scale, k_pos, residual, num_heads, focusing_factor):
     B, N, C = q.shape
@@ -505,12 +535,17 @@ def _(q, k, v, scale, k_pos, residual, num_heads, focusing_factor):
             q.new_empty((B, num_heads, bd), dtype=torch.float32))
 
 
-@torch.library.triton_op('flatten_mm::fla_core_backward', mutates_args=())
-def _fla_core_backward_op(
-        grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor, ks: torch.Tensor,
-        num_heads: int, focusing_factor: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor,
+                      ks: torch.Tensor, num_heads: int, focusing_factor: int,
+                      dv_extra: Optional[torch.Tensor] = None,
+                      dkv_out: Optional[torch.Tensor] = None):
+    """The backward launches: ``dq, dk, dv`` (in the dtypes of ``q, k, v``), ``dscale``
+    (float32 ``(C,)``) and ``dpos`` (float32 ``(n, C)``, empty without ``k_pos``).
+
+    ``dv_extra``: a gradient of ``v`` from elsewhere (the DWC branch), added inside the key
+    kernel. ``dkv_out``: a ``(B, n, 2C)`` buffer receiving ``[dk | dv]`` (the gradient of a
+    packed ``kv`` projection, so no concatenation is needed)."""
     B, N, C = q.shape
     n = k.shape[1]
     d = C // num_heads
@@ -520,35 +555,59 @@ def _fla_core_backward_op(
     pos, spn, spc, has_pos = _pos_args(k_pos, k)
     # query side: dphi(q) and dKV, dmean (of the 1/n-scaled KV and mean)
     chunk, chunks = _chunk(N, B * num_heads, bn)
-    dq = torch.empty((B, N, C), dtype=torch.float32, device=q.device)
+    dphi_q = torch.empty((B, N, C), dtype=torch.float32, device=q.device)
     dkv_p = q.new_empty((chunks, B, num_heads, bd, bd), dtype=torch.float32)
     dks_p = q.new_empty((chunks, B, num_heads, bd), dtype=torch.float32)
     torch.library.wrap_triton(_fla_q_bwd)[(chunks, B, num_heads)](
-        q, grad, inv_s, kv, ks, dq, dkv_p, dks_p, N, C, chunk, 1.0 / n, *q.stride(),
+        q, grad, inv_s, kv, ks, dphi_q, dkv_p, dks_p, N, C, chunk, 1.0 / n, *q.stride(),
         *grad.stride(), H=num_heads, D=d, P=focusing_factor, **cfg)
     dkv = dkv_p.sum(0)
     dks = dks_p.sum(0)
-    # key side: dphi(k), dv
-    dk = torch.empty((B, n, C), dtype=torch.float32, device=q.device)
-    dv = torch.empty((B, n, C), dtype=v.dtype, device=q.device)
+    # key side: dphi(k), dv (+ dv_extra)
+    dphi_k = torch.empty((B, n, C), dtype=torch.float32, device=q.device)
+    if dkv_out is not None:
+        dk, dv = dkv_out[..., :C], dkv_out[..., C:]
+    else:
+        dk = dphi_k if k.dtype == torch.float32 else torch.empty((B, n, C), dtype=k.dtype,
+                                                                  device=q.device)
+        dv = torch.empty((B, n, C), dtype=v.dtype, device=q.device)
+    extra = dv if dv_extra is None else dv_extra
     torch.library.wrap_triton(_fla_k_bwd)[(triton.cdiv(n, bn), B, num_heads)](
-        k, pos, v, inv_s, dkv, dks, dk, dv, n, C, 1.0 / n, *k.stride(), spn, spc, *v.stride(),
-        *dv.stride(), H=num_heads, D=d, P=focusing_factor, HAS_POS=has_pos, **cfg)
-    # through the focusing function (in place: dphi -> dx)
+        k, pos, v, inv_s, dkv, dks, dphi_k, extra, dv, n, C, 1.0 / n, *k.stride(), spn, spc,
+        *v.stride(), *extra.stride(), *dv.stride(), H=num_heads, D=d, P=focusing_factor,
+        HAS_POS=has_pos, HAS_EXTRA=dv_extra is not None, **cfg)
+    # through the focusing function (dphi -> dx, written in the input dtype)
+    dq = dphi_q if q.dtype == torch.float32 else torch.empty((B, N, C), dtype=q.dtype,
+                                                             device=q.device)
     bq, bk = triton.cdiv(N, bn), triton.cdiv(n, bn)
     ds_q = q.new_empty((B * bq, C), dtype=torch.float32)
     ds_k = q.new_empty((B * bk, C), dtype=torch.float32)
     torch.library.wrap_triton(_focus_bwd)[(bq, B)](
-        q, q, inv_s, dq, ds_q, N, C, *q.stride(), 0, 0, BLOCK_N=bn, BLOCK_C=cfg['BLOCK_C'],
-        P=focusing_factor, HAS_POS=False, num_warps=_NUM_WARPS)
+        q, q, inv_s, dphi_q, dq, ds_q, N, C, *q.stride(), 0, 0, *dq.stride(), BLOCK_N=bn,
+        BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=False, KEEP_F32=False,
+        num_warps=_NUM_WARPS)
+    # (the positional table's gradient sums the float32 dk over the batch)
+    keep = has_pos and (dkv_out is not None or k.dtype != torch.float32)
     torch.library.wrap_triton(_focus_bwd)[(bk, B)](
-        k, pos, inv_s, dk, ds_k, n, C, *k.stride(), spn, spc, BLOCK_N=bn,
-        BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=has_pos, num_warps=_NUM_WARPS)
+        k, pos, inv_s, dphi_k, dk, ds_k, n, C, *k.stride(), spn, spc, *dk.stride(),
+        BLOCK_N=bn, BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=has_pos,
+        KEEP_F32=keep, num_warps=_NUM_WARPS)
     # d(1/softplus(s))/ds = -sigmoid(s) / softplus(s)^2
     s = scale.detach().reshape(-1).float()
     dscale = (ds_q.sum(0) + ds_k.sum(0)) * (-torch.sigmoid(s) * inv_s * inv_s)
-    dpos = dk.sum(0) if has_pos else dk.new_empty((0, ))
-    return dq.to(q.dtype), dk.to(k.dtype), dv, dscale.to(scale.dtype), dpos
+    dpos = dphi_k.sum(0) if has_pos else dphi_k.new_empty((0, ))
+    return dq, dk, dv, dscale, dpos
+
+
+@torch.library.triton_op('flatten_mm::fla_core_backward', mutates_args=())
+def _fla_core_backward_op(
+        grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor, ks: torch.Tensor,
+        num_heads: int, focusing_factor: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dscale, dpos = _backward_kernels(grad, q, k, v, scale, k_pos, kv, ks,
+                                                 num_heads, focusing_factor)
+    return dq, dk, dv, dscale.to(scale.dtype), dpos
 
 
 @_fla_core_backward_op.register_fake
@@ -620,4 +679,167 @@ def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: to
     return out
 
 
-__all__ = ['fla_core_triton', 'check_inputs', 'INTERPRETED']
+# ----------------------------------------------------------------------------------------
+# FLatten-PVT's attention without key reduction: kv projection + DWC + core, k / v
+# recomputed in the backward
+
+
+def _dwc_tokens(v: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                hw: Tuple[int, int]) -> torch.Tensor:
+    """The depth-wise conv (``weight`` ``(C, 1, k, k)``, same padding) on tokens ``(B, N, C)``
+    viewed as a channels-last map, as ``conv.token_conv`` does."""
+    img = tokens_as_map(v, hw)
+    return map_as_tokens(F.conv2d(img, weight, bias, 1, weight.shape[-1] // 2, 1,
+                                  img.shape[1]))
+
+
+@torch.library.triton_op('flatten_mm::fla_core_backward_packed', mutates_args=())
+def _fla_core_backward_packed_op(
+        grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor, ks: torch.Tensor,
+        dv_extra: Optional[torch.Tensor], num_heads: int, focusing_factor: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fla_core_backward`` for k, v that are the halves of one ``(B, n, 2C)`` projection:
+    ``(dq, [dk | dv], dscale, dpos)``, ``dv_extra`` (v's gradient from elsewhere) added
+    inside the key kernel."""
+    B, n, C = k.shape
+    dkv_tokens = torch.empty((B, n, 2 * C), dtype=torch.promote_types(k.dtype, v.dtype),
+                             device=k.device)
+    dq, _, _, dscale, dpos = _backward_kernels(grad, q, k, v, scale, k_pos, kv, ks, num_heads,
+                                               focusing_factor, dv_extra=dv_extra,
+                                               dkv_out=dkv_tokens)
+    return dq, dkv_tokens, dscale.to(scale.dtype), dpos
+
+
+@_fla_core_backward_packed_op.register_fake
+def _(grad, q, k, v, scale, k_pos, kv, ks, dv_extra, num_heads, focusing_factor):
+    B, n, C = k.shape
+    dpos = (k.new_empty((n, C), dtype=torch.float32) if k_pos is not None else
+            k.new_empty((0, ), dtype=torch.float32))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            k.new_empty((B, n, 2 * C), dtype=torch.promote_types(k.dtype, v.dtype)),
+            scale.new_empty((C, )), dpos)
+
+
+class _ProjectedFLA(torch.autograd.Function):
+    """``k, v = (x W^T + b).chunk(2)``, ``FLA(q, k + k_pos, v) + DWC(v)``; the backward
+    recomputes ``k, v`` from ``x`` instead of keeping them (see
+    ``fla_kv_projected_triton``). The projection and the DWC are PyTorch calls, the core
+    the ``fla_core`` / ``fla_core_backward_packed`` ops."""
+
+    @staticmethod
+    def forward(ctx, q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight, dwc_bias, hw_shape,
+                num_heads, focusing_factor):
+        C = q.shape[2]
+        kv_tokens = F.linear(x, kv_weight, kv_bias)
+        k, v = kv_tokens[..., :C], kv_tokens[..., C:]
+        res = _dwc_tokens(v, dwc_weight, dwc_bias, hw_shape)
+        out, kv, ks = torch.ops.flatten_mm.fla_core(q, k, v, scale, k_pos, res, num_heads,
+                                                    focusing_factor)
+        # (the DWC bias is not needed, only whether there is one)
+        ctx.save_for_backward(q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight, kv, ks)
+        ctx.has_dwc_bias = dwc_bias is not None
+        ctx.args = (hw_shape, num_heads, focusing_factor)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight, kv, ks = ctx.saved_tensors
+        hw, num_heads, focusing_factor = ctx.args
+        B, n, C = x.shape
+        kv_tokens = F.linear(x, kv_weight, kv_bias)  # recomputed: one GEMM
+        k, v = kv_tokens[..., :C], kv_tokens[..., C:]
+        dv_map, ddwc_w, ddwc_b = torch.ops.aten.convolution_backward(
+            tokens_as_map(grad, hw), tokens_as_map(v, hw), dwc_weight,
+            [C] if ctx.has_dwc_bias else None, [1, 1], [dwc_weight.shape[-1] // 2] * 2,
+            [1, 1], False, [0, 0], C, [True, True, ctx.has_dwc_bias])
+        dq, dkv_tokens, dscale, dpos = torch.ops.flatten_mm.fla_core_backward_packed(
+            grad, q, k, v, scale, k_pos, kv, ks, map_as_tokens(dv_map), num_heads,
+            focusing_factor)
+        g2 = dkv_tokens.view(B * n, 2 * C)
+        dx = (g2 @ kv_weight).view(B, n, C)
+        dw = g2.t() @ x.reshape(B * n, C)
+        db = g2.sum(0) if kv_bias is not None else None
+        dpos = dpos.reshape(k_pos.shape).to(k_pos.dtype) if k_pos is not None else None
+        return (dq, dx, dw, db, dscale.reshape(scale.shape), dpos, ddwc_w, ddwc_b, None, None,
+                None)
+
+
+def check_projected_inputs(q: torch.Tensor, x: torch.Tensor, kv_weight: torch.Tensor,
+                           kv_bias: Optional[torch.Tensor], dwc_weight: torch.Tensor,
+                           dwc_bias: Optional[torch.Tensor],
+                           hw_shape: Tuple[int, int]) -> Optional[str]:
+    """Why ``fla_kv_projected_triton`` cannot take these (``None`` if it can; the core's
+    own conditions are ``check_inputs``)."""
+    B, N, C = q.shape
+    if x.shape != q.shape:
+        return f'x {tuple(x.shape)} does not match q {tuple(q.shape)} (no key reduction)'
+    if N != hw_shape[0] * hw_shape[1]:
+        return f'{N} tokens do not make a {tuple(hw_shape)} map'
+    if kv_weight.shape != (2 * C, C) or kv_bias is not None and kv_bias.shape != (2 * C, ):
+        return f'kv projection {tuple(kv_weight.shape)} is not C -> 2C for C={C}'
+    ks = dwc_weight.shape[-1]
+    if (dwc_weight.shape != (C, 1, ks, ks) or ks % 2 == 0
+            or dwc_bias is not None and dwc_bias.shape != (C, )):
+        return f'DWC weight {tuple(dwc_weight.shape)} is not a ({C}, 1, k, k) odd-k kernel'
+    dtypes = {t.dtype for t in (x, kv_weight, kv_bias, dwc_weight, dwc_bias)
+              if t is not None}
+    if len(dtypes) > 1:
+        return f'x and the kv / DWC parameters have different dtypes {sorted(map(str, dtypes))}'
+    return None
+
+
+def fla_kv_projected_triton(q: torch.Tensor, x: torch.Tensor, kv_weight: torch.Tensor,
+                            kv_bias: Optional[torch.Tensor], scale: torch.Tensor,
+                            num_heads: int, focusing_factor: int, hw_shape: Tuple[int, int],
+                            dwc_weight: torch.Tensor, dwc_bias: Optional[torch.Tensor] = None,
+                            k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FLatten-PVT's attention without key reduction (``sr_ratio=1``, the released models)
+    from ``q`` on: ``k, v = (x W^T + b).chunk(2)``, ``out = FLA(q, k + k_pos, v) +
+    DWC(v)``, with its own backward (an ``autograd.Function``).
+
+    The forward is the projection and the DWC (PyTorch: cuBLAS / cuDNN) and the
+    ``fla_core`` kernels (the DWC output added in the output kernel). The backward is what
+    differs from autograd's: ``k, v`` are recomputed from ``x`` (one GEMM; ``x`` is kept
+    anyway by the ``q`` projection) instead of being saved, so a training step keeps no
+    ``(B, N, 2C)`` tensor per layer; the DWC's ``dv`` is added inside the key kernel and
+    ``[dk | dv]`` is written side by side as the projection's gradient
+    (``fla_core_backward_packed``: no add, no concatenation). Under autocast ``x`` and the
+    parameters are cast as ``nn.Linear`` / ``nn.Conv2d`` would be.
+
+    Args:
+        q: ``(B, N, C)`` queries.
+        x: ``(B, N, C)`` input of the ``kv`` projection (the normalised block input).
+        kv_weight, kv_bias: the ``C -> 2C`` projection (bias optional).
+        scale: raw ``(1, 1, C)`` scale parameter.
+        num_heads, focusing_factor: ``h``, ``p``.
+        hw_shape: ``(H, W)`` with ``H * W = N``.
+        dwc_weight: ``(C, 1, k, k)`` depth-wise kernel (odd ``k``; FLA's head-shared
+            ``(C/h, 1, k, k)`` kernel repeated over the heads), ``dwc_bias`` ``(C,)``.
+        k_pos: optional ``(1, N, C)`` positional encoding added to the keys.
+
+    Returns:
+        ``(B, N, C)`` in the projection's dtype.
+
+    Raises:
+        ValueError: inputs the op does not take (``check_projected_inputs``,
+            ``check_inputs``).
+    """
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):  # what nn.Linear / nn.Conv2d would run in
+        dt = torch.get_autocast_dtype(dev)
+        x, kv_weight, dwc_weight = x.to(dt), kv_weight.to(dt), dwc_weight.to(dt)
+        kv_bias = None if kv_bias is None else kv_bias.to(dt)
+        dwc_bias = None if dwc_bias is None else dwc_bias.to(dt)
+    why = (check_projected_inputs(q, x, kv_weight, kv_bias, dwc_weight, dwc_bias, hw_shape)
+           or check_inputs(q, x, x, scale, num_heads, focusing_factor, k_pos))
+    if why is not None:
+        raise ValueError(f'FLA Triton kernels: {why}')
+    with torch.autocast(device_type=dev, enabled=False):
+        return _ProjectedFLA.apply(q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight,
+                                   dwc_bias, (int(hw_shape[0]), int(hw_shape[1])),
+                                   int(num_heads), int(focusing_factor))
+
+
+__all__ = ['fla_core_triton', 'fla_kv_projected_triton', 'check_inputs',
+           'check_projected_inputs', 'INTERPRETED']
