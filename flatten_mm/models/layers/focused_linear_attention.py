@@ -20,7 +20,8 @@ On CUDA the kernel + linear attention run as fused Triton kernels (forward and b
 ``focused_linear_attention_triton``) when Triton imports; ``use_triton=False`` (operator
 argument) or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path below. There
 ``FocusedLinearAttention`` without key reduction also recomputes K, V from its input in
-the backward rather than keeping them (``fla_kv_projected_triton``).
+the backward rather than keeping them, and ``FocusedLinearAttentionQKV`` Q, K, V
+(``fla_projected_triton``).
 """
 import os
 import warnings
@@ -272,6 +273,32 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out if residual is None else out + residual.to(out_dtype)
 
 
+def _projected_path(use_triton: Optional[bool], q: torch.Tensor, x: torch.Tensor,
+                    scale: torch.Tensor, num_heads: int, focusing_factor: int,
+                    k_pos: Optional[torch.Tensor], weight: torch.Tensor,
+                    conv: nn.Conv2d) -> bool:
+    """Whether an FLA layer without key reduction runs ``fla_projected_triton`` (its
+    packed projection, DWC ``conv`` and core in one function): the FLA kernels apply
+    (``_use_fla_triton``; with ``use_triton=True`` an error says why not), the DWC is a
+    same-padding odd square kernel and, outside autocast, ``x`` and the parameters share a
+    dtype (metadata only: no tensor is made to decide)."""
+    if not _use_fla_triton(use_triton, q, x, x, scale, num_heads, focusing_factor, k_pos):
+        return False
+    k = conv.kernel_size[0]
+    if (conv.kernel_size != (k, k) or k % 2 == 0 or conv.stride != (1, 1)
+            or conv.dilation != (1, 1) or conv.padding != (k // 2, k // 2)
+            or conv.padding_mode != 'zeros'):
+        return False
+    return (torch.is_autocast_enabled(x.device.type)
+            or x.dtype == weight.dtype == conv.weight.dtype)
+
+
+def _repeated_dwc(conv: nn.Conv2d, num_heads: int):
+    """FLA's head-shared DWC as one ``(C, 1, k, k)`` kernel (and bias) over all heads."""
+    bias = None if conv.bias is None else conv.bias.repeat(num_heads)
+    return conv.weight.repeat(num_heads, 1, 1, 1), bias
+
+
 class FocusedLinearAttention(KVReductionMixin, nn.Module):
     """FLA with PVT-style projections (``q``, ``kv``), as in FLatten-PVT / -PVTv2.
 
@@ -375,15 +402,14 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         # resized from the parameter in every call, never cached (see pos_embed)
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
                               self.pe_interp_mode)
-        if x_kv is x and self._projected_kernels(q, x, pe):
+        if x_kv is x and _projected_path(self.use_triton, q, x, self.scale, self.num_heads,
+                                         self.focusing_factor, pe, self.kv.weight, self.dwc):
             # no key reduction (the released models): kv projection, DWC and core as one
-            # op, whose backward recomputes k, v instead of keeping them
-            from .focused_linear_attention_triton import fla_kv_projected_triton
-            h = self.num_heads
-            out = fla_kv_projected_triton(
-                q, x, self.kv.weight, self.kv.bias, self.scale, h, self.focusing_factor,
-                hw_shape, self.dwc.weight.repeat(h, 1, 1, 1),
-                None if self.dwc.bias is None else self.dwc.bias.repeat(h), k_pos=pe)
+            # function, whose backward recomputes k, v instead of keeping them
+            from .focused_linear_attention_triton import fla_projected_triton
+            out = fla_projected_triton(q, x, self.kv.weight, self.kv.bias, self.scale,
+                                       self.num_heads, self.focusing_factor, hw_shape,
+                                       *_repeated_dwc(self.dwc, self.num_heads), k_pos=pe)
             return self.proj_drop(self.proj(out))
         k, v = self.kv(x_kv).chunk(2, dim=-1)
         # rank restoration: depthwise conv on V, shared by the heads
@@ -399,24 +425,6 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
                                   k_pos=pe, use_triton=self.use_triton, residual=dwc)
         return self.proj_drop(self.proj(out))
-
-    def _projected_kernels(self, q: torch.Tensor, x: torch.Tensor,
-                           pe: Optional[torch.Tensor]) -> bool:
-        """Whether ``forward`` runs ``fla_kv_projected_triton`` (no key reduction): the FLA
-        kernels apply (``_use_fla_triton``; with ``use_triton=True`` an error says why
-        not), the DWC is a same-padding odd square kernel and, outside autocast, ``x`` and
-        the parameters share a dtype (metadata only: no tensor is made to decide)."""
-        if not _use_fla_triton(self.use_triton, q, x, x, self.scale, self.num_heads,
-                               self.focusing_factor, pe):
-            return False
-        conv = self.dwc
-        k = conv.kernel_size[0]
-        if (conv.kernel_size != (k, k) or k % 2 == 0 or conv.stride != (1, 1)
-                or conv.dilation != (1, 1) or conv.padding != (k // 2, k // 2)
-                or conv.padding_mode != 'zeros'):
-            return False
-        return (torch.is_autocast_enabled(x.device.type)
-                or x.dtype == self.kv.weight.dtype == conv.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
@@ -525,16 +533,22 @@ class _FocusedLinearRegion(nn.Module):
         self.resize_loaded_tables(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def region_pos_table(self, hw_shape: Tuple[int, int]) -> torch.Tensor:
+        """The positional table of a region grid: resized from the parameter in every
+        call, never cached (see pos_embed)."""
+        return resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
+                                self.pe_interp_mode)
+
     def attend_region(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      hw_shape: Tuple[int, int]) -> torch.Tensor:
-        """Args: q, k, v ``(B, N, Cm)`` tokens of a region with grid ``hw_shape``.
-        Returns ``(B, N, Cm)``."""
+                      hw_shape: Tuple[int, int],
+                      pe: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Args: q, k, v ``(B, N, Cm)`` tokens of a region with grid ``hw_shape``; ``pe``
+        its ``region_pos_table`` if already made. Returns ``(B, N, Cm)``."""
         N = q.shape[1]
         if N != hw_shape[0] * hw_shape[1]:
             raise ValueError(f'token count {N} does not match hw_shape {tuple(hw_shape)}')
-        # resized from the parameter in every call, never cached (see pos_embed)
-        pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, hw_shape,
-                              self.pe_interp_mode)
+        if pe is None:
+            pe = self.region_pos_table(hw_shape)
         dwc = token_conv(self.dwc, v, hw_shape, repeat=self.num_heads)
         out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
                                   k_pos=pe, use_triton=self.use_triton, residual=dwc)
@@ -626,8 +640,19 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
 
     def attend(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """``qkv`` -> FLA -> ``proj`` on tokens ``(B, N, C)`` of one region ``hw_shape``."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        out = self.attend_region(q, k, v, hw_shape)
+        pe = self.region_pos_table(hw_shape)
+        if x.shape[1] == hw_shape[0] * hw_shape[1] and _projected_path(
+                self.use_triton, x, x, self.scale, self.num_heads, self.focusing_factor, pe,
+                self.qkv.weight, self.dwc):
+            # the qkv projection, DWC and core as one function, whose backward recomputes
+            # q, k, v instead of keeping them
+            from .focused_linear_attention_triton import fla_projected_triton
+            out = fla_projected_triton(None, x, self.qkv.weight, self.qkv.bias, self.scale,
+                                       self.num_heads, self.focusing_factor, hw_shape,
+                                       *_repeated_dwc(self.dwc, self.num_heads), k_pos=pe)
+        else:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            out = self.attend_region(q, k, v, hw_shape, pe)
         return self.proj_drop(self.proj(out))
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:

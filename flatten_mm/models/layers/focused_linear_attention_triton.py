@@ -32,12 +32,14 @@ Both directions are ``torch.library.triton_op`` custom ops (``flatten_mm::fla_co
 forward as one function with its backward and ``torch.compile`` sees one node each.
 
 FLatten-PVT's layers without key reduction (the released models) go one step further,
-``fla_kv_projected_triton``: the ``kv`` projection, the DWC and the core form one
+``fla_projected_triton``: the ``kv`` projection, the DWC and the core form one
 ``autograd.Function`` whose backward recomputes ``k, v`` from the projection's input (one
 GEMM) instead of keeping the ``(B, N, 2C)`` projection for the backward, adds the DWC's
 ``dv`` inside the key kernel and writes ``[dk | dv]`` as the projection's gradient
 (``flatten_mm::fla_core_backward_packed``): no add, no concatenation, and the layer keeps
 the activations of a softmax layer with reduced keys (its input, ``q`` and its output).
+FLatten-Swin's FLA layers do the same with their ``qkv`` projection (``q`` recomputed
+too).
 
 On CUDA tensors the kernels are compiled by Triton; on CPU tensors they run only under
 Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before this
@@ -539,13 +541,14 @@ def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                       scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor,
                       ks: torch.Tensor, num_heads: int, focusing_factor: int,
                       dv_extra: Optional[torch.Tensor] = None,
-                      dkv_out: Optional[torch.Tensor] = None):
+                      packed_out: Optional[torch.Tensor] = None):
     """The backward launches: ``dq, dk, dv`` (in the dtypes of ``q, k, v``), ``dscale``
     (float32 ``(C,)``) and ``dpos`` (float32 ``(n, C)``, empty without ``k_pos``).
 
     ``dv_extra``: a gradient of ``v`` from elsewhere (the DWC branch), added inside the key
-    kernel. ``dkv_out``: a ``(B, n, 2C)`` buffer receiving ``[dk | dv]`` (the gradient of a
-    packed ``kv`` projection, so no concatenation is needed)."""
+    kernel. ``packed_out``: a ``(B, n, 2C)`` buffer receiving ``[dk | dv]``, or ``(B, N, 3C)``
+    receiving ``[dq | dk | dv]`` (the gradient of a packed projection, so no concatenation
+    is needed)."""
     B, N, C = q.shape
     n = k.shape[1]
     d = C // num_heads
@@ -565,8 +568,9 @@ def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     dks = dks_p.sum(0)
     # key side: dphi(k), dv (+ dv_extra)
     dphi_k = torch.empty((B, n, C), dtype=torch.float32, device=q.device)
-    if dkv_out is not None:
-        dk, dv = dkv_out[..., :C], dkv_out[..., C:]
+    parts = () if packed_out is None else packed_out.split(C, dim=-1)
+    if parts:
+        dk, dv = parts[-2:]
     else:
         dk = dphi_k if k.dtype == torch.float32 else torch.empty((B, n, C), dtype=k.dtype,
                                                                   device=q.device)
@@ -577,8 +581,11 @@ def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         *v.stride(), *extra.stride(), *dv.stride(), H=num_heads, D=d, P=focusing_factor,
         HAS_POS=has_pos, HAS_EXTRA=dv_extra is not None, **cfg)
     # through the focusing function (dphi -> dx, written in the input dtype)
-    dq = dphi_q if q.dtype == torch.float32 else torch.empty((B, N, C), dtype=q.dtype,
-                                                             device=q.device)
+    if len(parts) == 3:
+        dq = parts[0]
+    else:
+        dq = dphi_q if q.dtype == torch.float32 else torch.empty((B, N, C), dtype=q.dtype,
+                                                                 device=q.device)
     bq, bk = triton.cdiv(N, bn), triton.cdiv(n, bn)
     ds_q = q.new_empty((B * bq, C), dtype=torch.float32)
     ds_k = q.new_empty((B * bk, C), dtype=torch.float32)
@@ -587,7 +594,7 @@ def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=False, KEEP_F32=False,
         num_warps=_NUM_WARPS)
     # (the positional table's gradient sums the float32 dk over the batch)
-    keep = has_pos and (dkv_out is not None or k.dtype != torch.float32)
+    keep = has_pos and (packed_out is not None or k.dtype != torch.float32)
     torch.library.wrap_triton(_focus_bwd)[(bk, B)](
         k, pos, inv_s, dphi_k, dk, ds_k, n, C, *k.stride(), spn, spc, *dk.stride(),
         BLOCK_N=bn, BLOCK_C=cfg['BLOCK_C'], P=focusing_factor, HAS_POS=has_pos,
@@ -680,8 +687,8 @@ def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: to
 
 
 # ----------------------------------------------------------------------------------------
-# FLatten-PVT's attention without key reduction: kv projection + DWC + core, k / v
-# recomputed in the backward
+# FLA layers with a packed projection and no key reduction (FLatten-PVT's ``kv``,
+# FLatten-Swin's ``qkv``): projection + DWC + core, the projection recomputed in the backward
 
 
 def _dwc_tokens(v: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -697,120 +704,131 @@ def _dwc_tokens(v: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def _fla_core_backward_packed_op(
         grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor, ks: torch.Tensor,
-        dv_extra: Optional[torch.Tensor], num_heads: int, focusing_factor: int
+        dv_extra: Optional[torch.Tensor], with_q: bool, num_heads: int, focusing_factor: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fla_core_backward`` for k, v that are the halves of one ``(B, n, 2C)`` projection:
-    ``(dq, [dk | dv], dscale, dpos)``, ``dv_extra`` (v's gradient from elsewhere) added
-    inside the key kernel."""
+    """``fla_core_backward`` for k, v (``with_q``: q, k, v) that are the parts of one packed
+    projection: ``(dq, [dk | dv], dscale, dpos)`` (``with_q``: ``(empty, [dq | dk | dv],
+    ...)``), ``dv_extra`` (v's gradient from elsewhere) added inside the key kernel."""
     B, n, C = k.shape
-    dkv_tokens = torch.empty((B, n, 2 * C), dtype=torch.promote_types(k.dtype, v.dtype),
-                             device=k.device)
+    m = 3 if with_q else 2
+    packed = torch.empty((B, n, m * C), dtype=k.dtype, device=k.device)
     dq, _, _, dscale, dpos = _backward_kernels(grad, q, k, v, scale, k_pos, kv, ks, num_heads,
                                                focusing_factor, dv_extra=dv_extra,
-                                               dkv_out=dkv_tokens)
-    return dq, dkv_tokens, dscale.to(scale.dtype), dpos
+                                               packed_out=packed)
+    return (dq.new_empty((0, )) if with_q else dq), packed, dscale.to(scale.dtype), dpos
 
 
 @_fla_core_backward_packed_op.register_fake
-def _(grad, q, k, v, scale, k_pos, kv, ks, dv_extra, num_heads, focusing_factor):
+def _(grad, q, k, v, scale, k_pos, kv, ks, dv_extra, with_q, num_heads, focusing_factor):
     B, n, C = k.shape
     dpos = (k.new_empty((n, C), dtype=torch.float32) if k_pos is not None else
             k.new_empty((0, ), dtype=torch.float32))
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            k.new_empty((B, n, 2 * C), dtype=torch.promote_types(k.dtype, v.dtype)),
-            scale.new_empty((C, )), dpos)
+    dq = (q.new_empty((0, )) if with_q else
+          torch.empty_like(q, memory_format=torch.contiguous_format))
+    return (dq, k.new_empty((B, n, (3 if with_q else 2) * C)), scale.new_empty((C, )), dpos)
 
 
 class _ProjectedFLA(torch.autograd.Function):
-    """``k, v = (x W^T + b).chunk(2)``, ``FLA(q, k + k_pos, v) + DWC(v)``; the backward
-    recomputes ``k, v`` from ``x`` instead of keeping them (see
-    ``fla_kv_projected_triton``). The projection and the DWC are PyTorch calls, the core
-    the ``fla_core`` / ``fla_core_backward_packed`` ops."""
+    """``[q |] k | v = x W^T + b``, ``FLA(q, k + k_pos, v) + DWC(v)``; the backward
+    recomputes the projection from ``x`` instead of keeping it (see
+    ``fla_projected_triton``). The projection and the DWC are PyTorch calls, the core the
+    ``fla_core`` / ``fla_core_backward_packed`` ops. ``q=None``: q is the first part of
+    the projection."""
 
     @staticmethod
-    def forward(ctx, q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight, dwc_bias, hw_shape,
+    def forward(ctx, q, x, weight, bias, scale, k_pos, dwc_weight, dwc_bias, hw_shape,
                 num_heads, focusing_factor):
-        C = q.shape[2]
-        kv_tokens = F.linear(x, kv_weight, kv_bias)
-        k, v = kv_tokens[..., :C], kv_tokens[..., C:]
+        C = x.shape[2]
+        parts = F.linear(x, weight, bias).split(C, dim=-1)
+        qq = parts[0] if q is None else q
+        k, v = parts[-2:]
         res = _dwc_tokens(v, dwc_weight, dwc_bias, hw_shape)
-        out, kv, ks = torch.ops.flatten_mm.fla_core(q, k, v, scale, k_pos, res, num_heads,
+        out, kv, ks = torch.ops.flatten_mm.fla_core(qq, k, v, scale, k_pos, res, num_heads,
                                                     focusing_factor)
         # (the DWC bias is not needed, only whether there is one)
-        ctx.save_for_backward(q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight, kv, ks)
+        ctx.save_for_backward(q, x, weight, bias, scale, k_pos, dwc_weight, kv, ks)
         ctx.has_dwc_bias = dwc_bias is not None
         ctx.args = (hw_shape, num_heads, focusing_factor)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight, kv, ks = ctx.saved_tensors
+        q, x, weight, bias, scale, k_pos, dwc_weight, kv, ks = ctx.saved_tensors
         hw, num_heads, focusing_factor = ctx.args
         B, n, C = x.shape
-        kv_tokens = F.linear(x, kv_weight, kv_bias)  # recomputed: one GEMM
-        k, v = kv_tokens[..., :C], kv_tokens[..., C:]
+        parts = F.linear(x, weight, bias).split(C, dim=-1)  # recomputed: one GEMM
+        with_q = q is None
+        k, v = parts[-2:]
         dv_map, ddwc_w, ddwc_b = torch.ops.aten.convolution_backward(
             tokens_as_map(grad, hw), tokens_as_map(v, hw), dwc_weight,
             [C] if ctx.has_dwc_bias else None, [1, 1], [dwc_weight.shape[-1] // 2] * 2,
             [1, 1], False, [0, 0], C, [True, True, ctx.has_dwc_bias])
-        dq, dkv_tokens, dscale, dpos = torch.ops.flatten_mm.fla_core_backward_packed(
-            grad, q, k, v, scale, k_pos, kv, ks, map_as_tokens(dv_map), num_heads,
-            focusing_factor)
-        g2 = dkv_tokens.view(B * n, 2 * C)
-        dx = (g2 @ kv_weight).view(B, n, C)
+        dq, packed, dscale, dpos = torch.ops.flatten_mm.fla_core_backward_packed(
+            grad, parts[0] if with_q else q, k, v, scale, k_pos, kv, ks,
+            map_as_tokens(dv_map), with_q, num_heads, focusing_factor)
+        g2 = packed.view(B * n, packed.shape[-1])
+        dx = (g2 @ weight).view(B, n, C)
         dw = g2.t() @ x.reshape(B * n, C)
-        db = g2.sum(0) if kv_bias is not None else None
+        db = g2.sum(0) if bias is not None else None
         dpos = dpos.reshape(k_pos.shape).to(k_pos.dtype) if k_pos is not None else None
-        return (dq, dx, dw, db, dscale.reshape(scale.shape), dpos, ddwc_w, ddwc_b, None, None,
-                None)
+        return (None if with_q else dq, dx, dw, db, dscale.reshape(scale.shape), dpos, ddwc_w,
+                ddwc_b, None, None, None)
 
 
-def check_projected_inputs(q: torch.Tensor, x: torch.Tensor, kv_weight: torch.Tensor,
-                           kv_bias: Optional[torch.Tensor], dwc_weight: torch.Tensor,
+def check_projected_inputs(q: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                           bias: Optional[torch.Tensor], dwc_weight: torch.Tensor,
                            dwc_bias: Optional[torch.Tensor],
                            hw_shape: Tuple[int, int]) -> Optional[str]:
-    """Why ``fla_kv_projected_triton`` cannot take these (``None`` if it can; the core's
+    """Why ``fla_projected_triton`` cannot take these (``None`` if it can; the core's
     own conditions are ``check_inputs``)."""
-    B, N, C = q.shape
-    if x.shape != q.shape:
+    if x.dim() != 3:
+        return f'x must be (B, N, C), got {tuple(x.shape)}'
+    B, N, C = x.shape
+    if q is not None and q.shape != x.shape:
         return f'x {tuple(x.shape)} does not match q {tuple(q.shape)} (no key reduction)'
     if N != hw_shape[0] * hw_shape[1]:
         return f'{N} tokens do not make a {tuple(hw_shape)} map'
-    if kv_weight.shape != (2 * C, C) or kv_bias is not None and kv_bias.shape != (2 * C, ):
-        return f'kv projection {tuple(kv_weight.shape)} is not C -> 2C for C={C}'
+    m = 3 if q is None else 2
+    if weight.shape != (m * C, C) or bias is not None and bias.shape != (m * C, ):
+        return (f'projection {tuple(weight.shape)} is not C -> {m}C for C={C} '
+                f'({"q, k, v" if q is None else "k, v"})')
     ks = dwc_weight.shape[-1]
     if (dwc_weight.shape != (C, 1, ks, ks) or ks % 2 == 0
             or dwc_bias is not None and dwc_bias.shape != (C, )):
         return f'DWC weight {tuple(dwc_weight.shape)} is not a ({C}, 1, k, k) odd-k kernel'
-    dtypes = {t.dtype for t in (x, kv_weight, kv_bias, dwc_weight, dwc_bias)
-              if t is not None}
+    dtypes = {t.dtype for t in (x, weight, bias, dwc_weight, dwc_bias) if t is not None}
     if len(dtypes) > 1:
-        return f'x and the kv / DWC parameters have different dtypes {sorted(map(str, dtypes))}'
+        return (f'x and the projection / DWC parameters have different dtypes '
+                f'{sorted(map(str, dtypes))}')
     return None
 
 
-def fla_kv_projected_triton(q: torch.Tensor, x: torch.Tensor, kv_weight: torch.Tensor,
-                            kv_bias: Optional[torch.Tensor], scale: torch.Tensor,
-                            num_heads: int, focusing_factor: int, hw_shape: Tuple[int, int],
-                            dwc_weight: torch.Tensor, dwc_bias: Optional[torch.Tensor] = None,
-                            k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """FLatten-PVT's attention without key reduction (``sr_ratio=1``, the released models)
-    from ``q`` on: ``k, v = (x W^T + b).chunk(2)``, ``out = FLA(q, k + k_pos, v) +
-    DWC(v)``, with its own backward (an ``autograd.Function``).
+def fla_projected_triton(q: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor], scale: torch.Tensor, num_heads: int,
+                         focusing_factor: int, hw_shape: Tuple[int, int],
+                         dwc_weight: torch.Tensor, dwc_bias: Optional[torch.Tensor] = None,
+                         k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An FLA layer without key reduction from its packed projection on:
+    ``k, v = (x W^T + b).chunk(2)`` (FLatten-PVT's ``kv``, ``q`` given) or
+    ``q, k, v = (x W^T + b).chunk(3)`` (FLatten-Swin's ``qkv``, ``q=None``), then
+    ``out = FLA(q, k + k_pos, v) + DWC(v)``, with its own backward (an
+    ``autograd.Function``).
 
     The forward is the projection and the DWC (PyTorch: cuBLAS / cuDNN) and the
     ``fla_core`` kernels (the DWC output added in the output kernel). The backward is what
-    differs from autograd's: ``k, v`` are recomputed from ``x`` (one GEMM; ``x`` is kept
-    anyway by the ``q`` projection) instead of being saved, so a training step keeps no
-    ``(B, N, 2C)`` tensor per layer; the DWC's ``dv`` is added inside the key kernel and
-    ``[dk | dv]`` is written side by side as the projection's gradient
-    (``fla_core_backward_packed``: no add, no concatenation). Under autocast ``x`` and the
-    parameters are cast as ``nn.Linear`` / ``nn.Conv2d`` would be.
+    differs from autograd's: the projection is recomputed from ``x`` (one GEMM; ``x`` is kept
+    anyway, by the ``q`` projection or as this function's input) instead of being saved, so
+    a training step keeps no ``(B, N, 2C)`` / ``(B, N, 3C)`` tensor per layer; the DWC's
+    ``dv`` is added inside the key kernel and ``[dq |] dk | dv`` is written side by side as
+    the projection's gradient (``fla_core_backward_packed``: no add, no concatenation).
+    Under autocast ``x`` and the parameters are cast as ``nn.Linear`` / ``nn.Conv2d`` would
+    be.
 
     Args:
-        q: ``(B, N, C)`` queries.
-        x: ``(B, N, C)`` input of the ``kv`` projection (the normalised block input).
-        kv_weight, kv_bias: the ``C -> 2C`` projection (bias optional).
+        q: ``(B, N, C)`` queries, or ``None`` (q is the first third of the projection).
+        x: ``(B, N, C)`` input of the projection (the normalised block input).
+        weight, bias: the ``C -> 2C`` (``C -> 3C`` without ``q``) projection (bias
+            optional).
         scale: raw ``(1, 1, C)`` scale parameter.
         num_heads, focusing_factor: ``h``, ``p``.
         hw_shape: ``(H, W)`` with ``H * W = N``.
@@ -822,24 +840,24 @@ def fla_kv_projected_triton(q: torch.Tensor, x: torch.Tensor, kv_weight: torch.T
         ``(B, N, C)`` in the projection's dtype.
 
     Raises:
-        ValueError: inputs the op does not take (``check_projected_inputs``,
-            ``check_inputs``).
+        ValueError: inputs it does not take (``check_projected_inputs``, ``check_inputs``).
     """
-    dev = q.device.type
+    dev = x.device.type
     if torch.is_autocast_enabled(dev):  # what nn.Linear / nn.Conv2d would run in
         dt = torch.get_autocast_dtype(dev)
-        x, kv_weight, dwc_weight = x.to(dt), kv_weight.to(dt), dwc_weight.to(dt)
-        kv_bias = None if kv_bias is None else kv_bias.to(dt)
+        x, weight, dwc_weight = x.to(dt), weight.to(dt), dwc_weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
         dwc_bias = None if dwc_bias is None else dwc_bias.to(dt)
-    why = (check_projected_inputs(q, x, kv_weight, kv_bias, dwc_weight, dwc_bias, hw_shape)
-           or check_inputs(q, x, x, scale, num_heads, focusing_factor, k_pos))
+    why = (check_projected_inputs(q, x, weight, bias, dwc_weight, dwc_bias, hw_shape)
+           or check_inputs(x if q is None else q, x, x, scale, num_heads, focusing_factor,
+                           k_pos))
     if why is not None:
         raise ValueError(f'FLA Triton kernels: {why}')
     with torch.autocast(device_type=dev, enabled=False):
-        return _ProjectedFLA.apply(q, x, kv_weight, kv_bias, scale, k_pos, dwc_weight,
-                                   dwc_bias, (int(hw_shape[0]), int(hw_shape[1])),
-                                   int(num_heads), int(focusing_factor))
+        return _ProjectedFLA.apply(q, x, weight, bias, scale, k_pos, dwc_weight, dwc_bias,
+                                   (int(hw_shape[0]), int(hw_shape[1])), int(num_heads),
+                                   int(focusing_factor))
 
 
-__all__ = ['fla_core_triton', 'fla_kv_projected_triton', 'check_inputs',
+__all__ = ['fla_core_triton', 'fla_projected_triton', 'check_inputs',
            'check_projected_inputs', 'INTERPRETED']
