@@ -606,6 +606,27 @@ def test_gpu_check_tool_check_runs_interpreted(monkeypatch):
                                       'out+residual'}
         assert rec['passed'], rec
         assert (rec['tokens'], rec['keys']) == (16, 4)
+        assert 'operator' not in rec  # (key reduction: no projected path)
+
+
+def test_gpu_check_tool_checks_the_projected_operators(monkeypatch):
+    """Cases without key reduction also check the whole operator (FLatten-PVT's for
+    ``pvt*``, FLatten-Swin's for ``swin*``) on the projected path against the float64
+    PyTorch path: the path really ran, every gradient is recorded and passes."""
+    tool = _load_tool()
+    for case in ('pvt-tiny', 'swin-tiny'):
+        monkeypatch.setitem(tool.FLA_CASES, case, (4, 16, 2, 1))
+    args = tool.parse_args(['--out', 'unused', '--cases', 'pvt-tiny,swin-tiny', '--batch', '2',
+                            '--no-timing', '--dtypes', 'fp32'])
+    args.device = 'cpu'
+    for case, module, proj in (('pvt-tiny', 'FocusedLinearAttention', 'dkv.weight'),
+                               ('swin-tiny', 'FocusedLinearAttentionQKV', 'dqkv.weight')):
+        rec = tool.check_fla(case, 'fp32', args)
+        op = rec['operator']
+        assert op['module'] == module and op['projected_path'], op
+        assert {'out', 'dx', 'dscale', 'dpositional_encoding', 'ddwc.weight', proj} <= set(
+            op['errors']), op['errors']
+        assert op['passed'] and rec['passed'], op
 
 
 def test_kernels_compile_for_sm90_without_gpu(tmp_path):

@@ -10,7 +10,10 @@ FLatten backbones' global FLA stages at a 512² input, up to 128² tokens; ``QT_
 QuadTree-PVTv2 stages with finer levels, see ``check_quadtree``; ``DEFAULT_CASES`` +
 ``QT_DEFAULT_CASES`` unless ``--cases``) and dtype. FLA: forward and the gradients of
 ``q, k, v, scale, k_pos`` by the kernels and by the PyTorch path, both against the float64
-formula on the same (rounded) inputs, with TF32 off. fp32 passes when the kernels' largest
+formula on the same (rounded) inputs, with TF32 off; the output with a residual (the DWC
+branch, added in the output kernel); and, for the cases without key reduction (first
+dtype), the whole operator (``_fla_operator_check``: packed projection, DWC and core, the
+projection recomputed in the backward). fp32 passes when the kernels' largest
 error (relative to the largest reference value) is within ``--tol`` or twice the PyTorch
 path's; bf16 / fp16 when every element is within one rounding of the dtype plus ``--tol``
 of the largest value (the kernels accumulate in float32). With ``--compile`` the kernels
@@ -57,18 +60,23 @@ DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 UNIT_ROUNDOFF = {'bf16': 2.0**-8, 'fp16': 2.0**-11}
 
 #: name -> (map side in tokens, channels C, heads, sr_ratio): FLA stages at a 512² input
+#: (the released FLatten models have no key reduction: ``la_sr_ratios`` 1111, see
+#: ``shared/spec/backbones.md``); ``reduced-keys-sr4`` covers ``sr_ratio > 1``
 FLA_CASES = {
-    'pvt-v2-b0-stage1': (128, 32, 1, 8),
-    'pvt-v2-b0-stage2': (64, 64, 2, 4),
+    'pvt-v2-b0-stage1': (128, 32, 1, 1),
+    'pvt-v2-b0-stage2': (64, 64, 2, 1),
     'pvt-v2-b0-stage4': (16, 256, 8, 1),
-    'pvt-t-stage1': (128, 64, 1, 8),  # FLatten-PVT: head dim 64
+    'pvt-t-stage1': (128, 64, 1, 1),  # FLatten-PVT: head dim 64
     'swin-t-stage1': (128, 96, 3, 1),
     'swin-t-stage2': (64, 192, 6, 1),
     'cswin-t-branch1': (128, 32, 1, 1),
+    'reduced-keys-sr4': (64, 64, 2, 4),
 }
-#: checked by default (distinct kernel specialisations: heads 1 / 3 / 8, head dim 32 / 64;
-#: about 40 Triton compilations, so that a run stays within ~2 min on a fresh machine)
-DEFAULT_CASES = ('pvt-v2-b0-stage1', 'swin-t-stage1', 'pvt-v2-b0-stage4', 'pvt-t-stage1')
+#: checked by default (distinct kernel specialisations: heads 1 / 2 / 3 / 8, head dim 32 /
+#: 64, keys reduced or not, the operators' projected path; about 60 Triton compilations, so
+#: that a run stays within ~3 min on a fresh machine)
+DEFAULT_CASES = ('pvt-v2-b0-stage1', 'swin-t-stage1', 'pvt-v2-b0-stage4', 'pvt-t-stage1',
+                 'reduced-keys-sr4')
 
 
 def _qt_cases() -> Dict[str, tuple]:
@@ -176,6 +184,63 @@ def _median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _fla_operator_check(case: str, args: argparse.Namespace) -> Dict:
+    """The case's FLA operator (``swin*``: FLatten-Swin's ``FocusedLinearAttentionQKV``,
+    else FLatten-PVT's ``FocusedLinearAttention``; no key reduction) with the kernels, i.e.
+    ``fla_projected_triton`` (packed projection, DWC and core; the projection recomputed
+    in the backward): output, input gradient and every parameter gradient against the
+    float64 PyTorch path, by the fp32 rule (within ``--tol`` or twice the float32 PyTorch
+    path's error), float32 only."""
+    import copy
+
+    from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
+                                          focused_linear_attention_triton as fla_triton)
+    side, C, h, _ = FLA_CASES[case]
+    dev = getattr(args, 'device', 'cuda')
+    torch.manual_seed(args.seed)
+    cls = FocusedLinearAttentionQKV if case.startswith('swin') else FocusedLinearAttention
+    m = cls(C, h, pretrain_hw_shape=(side, side)).to(dev)
+    with torch.no_grad():
+        for name, prm in m.named_parameters():
+            if name in ('scale', 'positional_encoding') or name.endswith('bias'):
+                prm.normal_(0, 0.5)
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
+    g = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
+    calls = []
+    real = fla_triton.fla_projected_triton
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    def run(module, use_triton, inp, grad):
+        module.use_triton = use_triton
+        module.zero_grad()
+        xi = inp.detach().clone().requires_grad_(True)
+        out = module(xi, (side, side))
+        (out * grad).sum().backward()
+        return ([('out', out.detach()), ('dx', xi.grad)]
+                + [(f'd{n}', p.grad) for n, p in module.named_parameters()])
+
+    fla_triton.fla_projected_triton = spy
+    try:
+        kern = run(m, True, x, g)
+    finally:
+        fla_triton.fla_projected_triton = real
+    torch_path = run(m, False, x, g)
+    ref = run(copy.deepcopy(m).double(), False, x.double(), g.double())
+    rec = dict(module=cls.__name__, projected_path=len(calls) == 1, errors={})
+    rec['passed'] = rec['projected_path']
+    for (name, a), (_, t), (_, r) in zip(kern, torch_path, ref):
+        e = dict(kernels=_max_rel(a, r), pytorch=_max_rel(t, r))
+        e['passed'] = bool(e['kernels'] <= max(args.tol, 2 * e['pytorch'])
+                           and torch.isfinite(a).all())
+        rec['errors'][name] = e
+        rec['passed'] &= e['passed']
+    return rec
+
+
 def check_fla(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
     """One FLA case: errors of kernels and PyTorch path vs float64, optional compile and
     timings."""
@@ -231,6 +296,9 @@ def check_fla(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
         e['passed'] = bool(ok and e['finite'])
         rec['errors'][name] = e
         rec['passed'] &= e['passed']
+    if sr == 1 and not case.startswith('cswin') and dtype_name == args.dtypes[0]:
+        rec['operator'] = _fla_operator_check(case, args)
+        rec['passed'] &= rec['operator']['passed']
     if args.compile and case in args.compile_cases and dtype_name == args.dtypes[0]:
         torch._dynamo.reset()
         # auto mode (use_triton=None), as the backbones run: its dispatch must not break
@@ -693,6 +761,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             f"{op}={t['kernels']['forward_backward']:.3f}/"
                             f"{t['pytorch']['forward_backward']:.3f}"
                             for op, t in rec['ms'].items())
+                    if 'operator' in rec:
+                        line += ' operator={:.1e}'.format(max(
+                            e['kernels'] for e in rec['operator']['errors'].values()))
                     for a, c in rec.get('core', {}).items():
                         line += f" core-{a}={max(c['max_rel'].values()):.1e}" + (
                             f"({c['near_tie_tokens']}-tie)" if c['near_tie_tokens'] else '')
