@@ -190,7 +190,8 @@ def _fla_operator_check(case: str, args: argparse.Namespace) -> Dict:
     ``fla_projected_triton`` (packed projection, DWC and core; the projection recomputed
     in the backward): output, input gradient and every parameter gradient against the
     float64 PyTorch path, by the fp32 rule (within ``--tol`` or twice the float32 PyTorch
-    path's error), float32 only."""
+    path's error), float32 only; with ``--compile`` (its cases) also compiled (inductor,
+    ``fullgraph``) against eager."""
     import copy
 
     from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
@@ -215,7 +216,8 @@ def _fla_operator_check(case: str, args: argparse.Namespace) -> Dict:
         return real(*a, **kw)
 
     def run(module, use_triton, inp, grad):
-        module.use_triton = use_triton
+        if use_triton is not None:
+            module.use_triton = use_triton
         module.zero_grad()
         xi = inp.detach().clone().requires_grad_(True)
         out = module(xi, (side, side))
@@ -232,6 +234,16 @@ def _fla_operator_check(case: str, args: argparse.Namespace) -> Dict:
     ref = run(copy.deepcopy(m).double(), False, x.double(), g.double())
     rec = dict(module=cls.__name__, projected_path=len(calls) == 1, errors={})
     rec['passed'] = rec['projected_path']
+    if args.compile and case in args.compile_cases:
+        # the operator compiled as the backbones are (inductor, no graph break), forward and
+        # backward (the autograd.Function's), against eager
+        torch._dynamo.reset()
+        m.use_triton = None
+        compiled = torch.compile(m, backend='inductor', fullgraph=True)
+        comp = run(compiled, None, x, g)
+        diff = max(_max_rel(a, e.double()) for (_, a), (_, e) in zip(comp, kern))
+        rec['compile'] = dict(max_rel_vs_eager=diff, passed=diff <= args.tol)
+        rec['passed'] &= rec['compile']['passed']
     for (name, a), (_, t), (_, r) in zip(kern, torch_path, ref):
         e = dict(kernels=_max_rel(a, r), pytorch=_max_rel(t, r))
         e['passed'] = bool(e['kernels'] <= max(args.tol, 2 * e['pytorch'])
