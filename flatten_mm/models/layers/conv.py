@@ -47,6 +47,16 @@ def map_as_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 3, 1).reshape(B, H * W, C)
 
 
+def repeat_depthwise(conv: nn.Conv2d, repeat: int):
+    """The weight ``(repeat * C, 1, k, k)`` and bias of a depth-wise ``conv`` of ``C``
+    channels applied with the same weights to ``repeat`` consecutive channel groups (FLA's
+    DWC shared by the heads)."""
+    if conv.groups != conv.in_channels or conv.out_channels != conv.in_channels:
+        raise ValueError('repeating a conv over channel groups needs a depth-wise conv')
+    bias = None if conv.bias is None else conv.bias.repeat(repeat)
+    return conv.weight.repeat(repeat, 1, 1, 1), bias
+
+
 def token_conv(conv: nn.Conv2d, x: torch.Tensor, hw_shape: Tuple[int, int],
                repeat: int = 1) -> torch.Tensor:
     """Apply a size-preserving ``nn.Conv2d`` to tokens, as a channels-last map.
@@ -66,11 +76,9 @@ def token_conv(conv: nn.Conv2d, x: torch.Tensor, hw_shape: Tuple[int, int],
     if repeat == 1:
         y = conv(img)
     else:
-        if conv.groups != conv.in_channels or conv.out_channels != conv.in_channels:
-            raise ValueError('token_conv(repeat > 1) needs a depth-wise conv')
-        bias = None if conv.bias is None else conv.bias.repeat(repeat)
-        y = F.conv2d(img, conv.weight.repeat(repeat, 1, 1, 1), bias, conv.stride,
-                     conv.padding, conv.dilation, conv.groups * repeat)
+        weight, bias = repeat_depthwise(conv, repeat)
+        y = F.conv2d(img, weight, bias, conv.stride, conv.padding, conv.dilation,
+                     conv.groups * repeat)
     if y.shape[-2:] != img.shape[-2:]:
         raise ValueError(f'token_conv needs a size-preserving conv, {tuple(img.shape[-2:])} '
                          f'became {tuple(y.shape[-2:])}')

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .conv import depthwise_conv, token_conv
+from .conv import depthwise_conv, repeat_depthwise, token_conv
 from .kv_reduction import KVReductionMixin
 from .pos_embed import _is_compiling, resize_loaded_pos_table, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
@@ -293,12 +293,6 @@ def _projected_path(use_triton: Optional[bool], q: torch.Tensor, x: torch.Tensor
             or x.dtype == weight.dtype == conv.weight.dtype)
 
 
-def _repeated_dwc(conv: nn.Conv2d, num_heads: int):
-    """FLA's head-shared DWC as one ``(C, 1, k, k)`` kernel (and bias) over all heads."""
-    bias = None if conv.bias is None else conv.bias.repeat(num_heads)
-    return conv.weight.repeat(num_heads, 1, 1, 1), bias
-
-
 class FocusedLinearAttention(KVReductionMixin, nn.Module):
     """FLA with PVT-style projections (``q``, ``kv``), as in FLatten-PVT / -PVTv2.
 
@@ -409,7 +403,7 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
             from .focused_linear_attention_triton import fla_projected_triton
             out = fla_projected_triton(q, x, self.kv.weight, self.kv.bias, self.scale,
                                        self.num_heads, self.focusing_factor, hw_shape,
-                                       *_repeated_dwc(self.dwc, self.num_heads), k_pos=pe)
+                                       *repeat_depthwise(self.dwc, self.num_heads), k_pos=pe)
             return self.proj_drop(self.proj(out))
         k, v = self.kv(x_kv).chunk(2, dim=-1)
         # rank restoration: depthwise conv on V, shared by the heads
@@ -649,7 +643,7 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
             from .focused_linear_attention_triton import fla_projected_triton
             out = fla_projected_triton(None, x, self.qkv.weight, self.qkv.bias, self.scale,
                                        self.num_heads, self.focusing_factor, hw_shape,
-                                       *_repeated_dwc(self.dwc, self.num_heads), k_pos=pe)
+                                       *repeat_depthwise(self.dwc, self.num_heads), k_pos=pe)
         else:
             q, k, v = self.qkv(x).chunk(3, dim=-1)
             out = self.attend_region(q, k, v, hw_shape, pe)
