@@ -320,6 +320,32 @@ def test_bf16_autocast_runs_core_in_float32():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize('channels_last', [False, True])
+def test_pyramid_pooling_saves_nothing_and_has_avg_pool2d_gradient(channels_last):
+    """The 2x2 pooling that builds the query / key pyramids: the output and the input
+    gradient are bit-identical to ``F.avg_pool2d``'s (the gradient in the input's memory
+    format), and the autograd graph keeps no tensor (``avg_pool2d``'s node keeps its whole
+    input map alive until the backward)."""
+    from flatten_mm.models.layers.quadtree_attention import _avg_pool_2x2
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, 6, 8, 10).contiguous(memory_format=fmt).requires_grad_(True)
+    g = torch.randn(2, 6, 4, 5)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _avg_pool_2x2(x)
+    assert saved == []
+    ref = F.avg_pool2d(x, 2, 2)
+    assert torch.equal(out, ref)
+    grad, = torch.autograd.grad(out, x, g)
+    ref_grad, = torch.autograd.grad(ref, x, g)
+    assert torch.equal(grad, ref_grad)
+    assert grad.is_contiguous(memory_format=fmt)
+    # (the same op with avg_pool2d's own node saves its input: what this test guards)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        F.avg_pool2d(x, 2, 2)
+    assert any(t.shape == x.shape for t in saved)
+
+
 class _MaxNumel(TorchDispatchMode):
     """Largest tensor produced by any op (forward and backward)."""
 

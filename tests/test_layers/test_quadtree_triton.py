@@ -263,11 +263,14 @@ def test_core_with_kernels_matches_pytorch_path(attn_type, levels, hw, heads, to
             inf = qa.quadtree_attention_core(qs, ks, vs, heads, topks, attn_type, weight,
                                              lepes, use_triton=flag)
         results[flag] = (out.detach(), grads, inf)
-    # per run: scores + messages per non-final finer level, and the fused kernel of the
-    # variant for the final level; training and inference
+    # per non-final finer level: scores + messages, except when B trains: the scores (for
+    # the selection, without autograd) + the fused kernel (the messages; it saves no
+    # weights); the final level: the fused kernel of the variant. Training, then inference
     final = f'final_level_{attn_type.lower()}_triton'
-    assert calls == (['gathered_scores_triton', 'gathered_messages_triton'] * (levels - 2)
-                     + [final]) * 2, calls
+    inference_calls = ['gathered_scores_triton', 'gathered_messages_triton'] * (levels - 2)
+    training_calls = ['gathered_scores_triton', final] * (levels - 2) if attn_type == 'B' \
+        else inference_calls
+    assert calls == training_calls + [final] + inference_calls + [final], calls
     assert min(margins) > 1e-4, min(margins)
     (out_t, grads_t, inf_t), (out_p, grads_p, inf_p) = results[True], results[False]
     scale = out_p.abs().max()
@@ -279,6 +282,37 @@ def test_core_with_kernels_matches_pytorch_path(attn_type, levels, hw, heads, to
     for i, (a, b) in enumerate(zip(grads_t, grads_p)):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-6 * b.abs().max(),
                                    msg=lambda m, i=i: f'grad of leaf {i}: {m}')
+
+
+def test_b_training_saves_no_level_weights_or_int64_indices():
+    """What a training forward of B (4 levels) keeps for the backward, with the kernels:
+    no softmax weights ``(.., 4, 4Kp)`` of any level (the fused kernel recomputes them from
+    its max / sum statistics), no int64 tensor (the top-k selections carry no gradient;
+    the candidate lists are int32). The PyTorch path keeps both, which this would catch."""
+    heads, topks, hw, levels = 2, (4, 6, 5), (16, 24), 4
+    qs, ks, vs = _pyramids(2, 8 * heads, hw, levels, seed=3)
+    weight = torch.softmax(torch.randn(levels, generator=_gen(4)), 0)
+
+    def saved(flag):
+        xs = [t.clone().requires_grad_(True) for t in qs + ks + vs]
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t,
+                                                      lambda t: t):
+            qa.quadtree_attention_core(xs[:levels], xs[levels:2 * levels], xs[2 * levels:],
+                                       heads, topks, 'B', weight, use_triton=flag)
+        return kept
+
+    def level_weights(kept):  # one per storage (softmax and messages save the same)
+        return list({t.untyped_storage().data_ptr(): t for t in kept
+                     if t.dim() == 5 and t.shape[3] == 4 and t.is_floating_point()
+                     and t.shape[4] in [4 * k for k in topks]}.values())
+
+    with_kernels, pytorch_path = saved(True), saved(False)
+    assert not level_weights(with_kernels), [t.shape for t in level_weights(with_kernels)]
+    assert not [t for t in with_kernels if t.dtype == torch.int64]
+    assert any(t.dtype == torch.int32 for t in with_kernels)  # the candidate lists
+    assert len(level_weights(pytorch_path)) == levels - 1
+    assert any(t.dtype == torch.int64 for t in pytorch_path)
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -307,9 +341,12 @@ def test_core_reads_half_keys_and_values_as_they_are(attn_type, levels, hw, head
         return [out] + list(torch.autograd.grad(out, xs, g))
 
     half = run(ks, vs, True)
-    assert seen == [(dtype, dtype)]  # the final level got the half maps
+    # the fused kernel got the half maps: at the final level, and at the others when B
+    # trains
+    fused = levels - 1 if attn_type == 'B' else 1
+    assert seen == [(dtype, dtype)] * fused
     upcast = run([t.float() for t in ks], [t.float() for t in vs], True)
-    assert seen[1] == (torch.float32, torch.float32)
+    assert seen[fused:] == [(torch.float32, torch.float32)] * fused
     for a, b in zip(half, upcast):
         assert a.dtype == b.dtype or (a.dtype == dtype and b.dtype == torch.float32)
         assert torch.equal(a.float(), b.to(a.dtype).float())
@@ -460,8 +497,8 @@ def test_dynamo_sees_one_node_each():
 @pytest.mark.parametrize('attn_type', ['B', 'A'])
 def test_module_compiles_to_one_graph_with_the_ops(attn_type):
     """``torch.compile(fullgraph=True)`` of the whole operator with the kernels: one graph
-    (no break), holding the three custom ops (the variant's fused final level last), with
-    the eager output."""
+    (no break), holding the three custom ops of a training forward (the variant's fused
+    final level last), with the eager output."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -474,8 +511,11 @@ def test_module_compiles_to_one_graph_with_the_ops(attn_type):
     out = torch.compile(m, backend=backend, fullgraph=True)(x, (8, 12))
     assert len(graphs) == 1
     ops = [str(n.target) for n in graphs[0].graph.nodes if 'flatten_mm' in str(n.target)]
-    assert ops == ['flatten_mm.qt_gathered_scores', 'flatten_mm.qt_gathered_messages',
-                   f'flatten_mm.qt_final_level_{attn_type.lower()}'], ops
+    final = f'flatten_mm.qt_final_level_{attn_type.lower()}'
+    # (a training forward: B's middle level selects on scores computed without autograd
+    # and takes its messages from the fused kernel)
+    middle = final if attn_type == 'B' else 'flatten_mm.qt_gathered_messages'
+    assert ops == ['flatten_mm.qt_gathered_scores', middle, final], ops
     assert torch.equal(out, m(x, (8, 12)))
 
 

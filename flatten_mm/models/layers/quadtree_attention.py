@@ -314,6 +314,38 @@ def _weighted_rows_sum(weight: torch.Tensor, value: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- layout helpers
+class _AvgPool2x2(torch.autograd.Function):
+    """``F.avg_pool2d(x, 2, 2)`` of an even-sided map whose backward needs only the shape:
+    nothing is saved (the autograd node of ``avg_pool2d`` keeps its input alive, a whole
+    query / key map per pyramid level). The gradient keeps the input's memory format."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last)
+        return F.avg_pool2d(x, 2, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = ctx.shape
+        fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
+        dx = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
+        # every input of a 2x2 window gets a quarter of the window's gradient
+        dx.view(B, C, H // 2, 2, W // 2, 2).copy_((grad * 0.25)[:, :, :, None, :, None])
+        return dx
+
+
+def _avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
+    """2x2 average pooling of an even-sided ``(B, C, H, W)`` map (a pyramid level); with
+    autograd, by ``_AvgPool2x2`` (saves nothing)."""
+    if (torch.is_grad_enabled() and x.requires_grad and x.shape[-2] % 2 == 0
+            and x.shape[-1] % 2 == 0
+            and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())):
+        return _AvgPool2x2.apply(x)
+    return F.avg_pool2d(x, 2, 2)
+
+
 def _to_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Map ``(B, C, H, W)`` -> ``(B, h, H*W, d)`` (head-major channels, raster tokens).
 
@@ -458,7 +490,10 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             raise ValueError(f'the coarsest level has {hc}x{wc} = {hc * wc} tokens, fewer than '
                              f'topk={K0}')
         _record_margin(margin_recorder, 0, attn, K0)
-        prev_score, prev_idx = attn.topk(K0, dim=-1, sorted=False)
+        # (B uses only the indices: a selection on the detached weights records no
+        # autograd node, which would keep the (L0, K0) int64 indices for its backward)
+        prev_score, prev_idx = (attn.detach() if attn_type == 'B' else attn).topk(
+            K0, dim=-1, sorted=False)
         weights = attn.scatter(-1, prev_idx, 0.) if attn_type == 'A' else attn
     else:
         weights = attn
@@ -499,18 +534,36 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             grid = (hi, wi)
             continue
         q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
+        if kernels and prev_idx.dtype != torch.int32:
+            # int32 candidate rows for the kernels (the ops save them for the backward:
+            # half the bytes of int64; the levels below inherit the dtype)
+            prev_idx = prev_idx.int()
         cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
         # (False when the level check said no: the same decision as the branch above)
         level_triton = use_triton if kernels else False
-        if final and kernels and _use_qt_triton(
-                level_triton, q, k, cand, scores=True) and _use_qt_triton(
-                    level_triton, q, v, cand, scores=True):
-            # scores + softmax (A: x prev_score) + messages in one kernel: no (B, h, L, 4,
-            # 4Kp) tensors
+        # the fused kernel (scores + softmax (A: x prev_score) + messages, no (B, h, L, 4,
+        # 4Kp) tensors; its backward recomputes the weights) runs the final level and,
+        # when training, the other levels of B
+        fused = (final or attn_type == 'B' and not inference) and kernels and _use_qt_triton(
+            level_triton, q, k, cand, scores=True) and _use_qt_triton(
+                level_triton, q, v, cand, scores=True)
+        if fused:
             from . import quadtree_attention_triton as qt_triton
+            if not final:
+                # B: the top-k indices carry no gradient, so the weights they are selected
+                # from are computed without autograd (nothing saved) and dropped
+                with torch.no_grad():
+                    attn = torch.softmax(
+                        gathered_scores(q, k, cand, chunk_elements, level_triton), dim=-1)
+                _record_margin(margin_recorder, i, attn, topks[i])
+                sel = attn.topk(topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
+                idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
+                del attn, sel
             msg = qt_triton.final_level_b_triton(q, k, v, cand) if attn_type == 'B' else \
                 qt_triton.final_level_a_triton(q, k, v, cand, prev_score)
             messages.append(_children_to_raster(msg, (hi, wi)))
+            if not final:
+                prev_idx, prev_score = _children_to_raster(idx_i, (hi, wi)), None
             grid = (hi, wi)
             continue
         scores = gathered_scores(q, k, cand, chunk_elements, level_triton)  # (B, h, L, 4, 4Kp)
@@ -524,10 +577,13 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         if not final:
             Ki = topks[i]
             _record_margin(margin_recorder, i, attn, Ki)
-            score_i, sel = attn.topk(Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
+            # (B: the indices only, selected on the detached weights, as at level 0)
+            score_i, sel = (attn.detach() if attn_type == 'B' else attn).topk(
+                Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
             idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
             prev_idx = _children_to_raster(idx_i, (hi, wi))
-            prev_score = _children_to_raster(score_i, (hi, wi))
+            # (the finer levels of B do not use the scores of their parents)
+            prev_score = _children_to_raster(score_i, (hi, wi)) if attn_type == 'A' else None
             if attn_type == 'A':
                 weights = attn.scatter(-1, sel, 0.)
         msg = gathered_messages(weights, v, cand, chunk_elements, level_triton)  # (.., 4, d)
@@ -888,8 +944,8 @@ class QuadTreeAttention(nn.Module):
         q, k, v = (tokens_as_map(t, hw_shape) for t in (q, k, v))
         queries, keys, values = [q], [k], [v]  # finest first
         for t in range(self.num_levels - 1):
-            q, k = F.avg_pool2d(q, 2, 2), F.avg_pool2d(k, 2, 2)
-            v = self.value_branchs[t](v) if self.attn_type == 'B' else F.avg_pool2d(v, 2, 2)
+            q, k = _avg_pool_2x2(q), _avg_pool_2x2(k)
+            v = self.value_branchs[t](v) if self.attn_type == 'B' else _avg_pool_2x2(v)
             queries.append(q)
             keys.append(k)
             values.append(v)
