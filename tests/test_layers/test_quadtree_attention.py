@@ -346,6 +346,51 @@ def test_pyramid_pooling_saves_nothing_and_has_avg_pool2d_gradient(channels_last
     assert any(t.shape == x.shape for t in saved)
 
 
+@pytest.mark.parametrize('value_act', ['relu', 'gelu'])
+def test_value_branches_are_recomputed_with_the_same_gradients(value_act):
+    """B's value branches under ``checkpoint_value_branchs`` (the default): output and
+    every gradient bit-identical to running them as they are, and the training forward
+    keeps exactly the branches' inner maps less (per branch: the first activation's output
+    at the branch's input size -- GELU also its input --, the 2x2 conv's output and the
+    second activation's output (GELU: also its input) at the output size, and GroupNorm's
+    mean / rstd)."""
+    torch.manual_seed(0)
+    B, C, hw = 2, 16, (8, 12)
+    m = QuadTreeAttention(C, 2, attn_type='B', num_levels=3, topk=4, value_act=value_act,
+                          use_triton=False)
+    assert m.checkpoint_value_branchs
+    x = torch.randn(B, hw[0] * hw[1], C)
+    g = torch.randn(B, hw[0] * hw[1], C)
+
+    def run(flag):
+        m.checkpoint_value_branchs = flag
+        xs = x.clone().requires_grad_(True)
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = m(xs, hw)
+        params = [p for p in m.parameters()]
+        grads = torch.autograd.grad(out, [xs] + params, g)
+        resident = {p.untyped_storage().data_ptr() for p in params}
+        return out, grads, sum(n for p, n in saved.items() if p not in resident)
+
+    out_cp, grads_cp, saved_cp = run(True)
+    out, grads, saved = run(False)
+    assert torch.equal(out_cp, out)
+    for a, b in zip(grads_cp, grads):
+        assert torch.equal(a, b)
+    per_act = 2 if value_act == 'gelu' else 1
+    inner = 0
+    for t in range(m.num_levels - 1):  # branch t: a (H_t, W_t) map to (H_t / 2, W_t / 2)
+        n_in = B * C * (hw[0] >> t) * (hw[1] >> t)
+        inner += 4 * (per_act * n_in + (1 + per_act) * n_in // 4) + 4 * (4 * B)
+    assert saved - saved_cp == inner, (saved, saved_cp, inner)
+
+
 class _MaxNumel(TorchDispatchMode):
     """Largest tensor produced by any op (forward and backward)."""
 

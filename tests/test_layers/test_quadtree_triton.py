@@ -42,11 +42,12 @@ def _gather(src, index):
     return src[torch.arange(B).view(B, 1, 1, 1), torch.arange(h).view(1, h, 1, 1), index]
 
 
-#: the four kernels: gathered scores, gathered messages, the fused final level of B and of
-#: A; each as (kernel, PyTorch path, reference): the PyTorch path is the operator's (chunks
-#: of 2 parents, so several chunks run), the reference a float64 gather by advanced
-#: indexing, independent of both. ``src`` holds the key table (and the value table for the
-#: final levels, and A's prev_score ``(B, h, L, K / 4)`` third)
+#: the four kernels: gathered scores, gathered messages, the fused final level of B
+#: (without and with its level weight) and of A; each as (kernel, PyTorch path,
+#: reference): the PyTorch path is the operator's (chunks of 2 parents, so several chunks
+#: run), the reference a float64 gather by advanced indexing, independent of both. ``src``
+#: holds the key table (and the value table for the final levels, and A's prev_score ``(B,
+#: h, L, K / 4)`` or B's 0-d level weight third; the kernel takes the weight in float32)
 KINDS = {
     'scores': (
         lambda a, src, index: qt.gathered_scores_triton(a, src[0], index),
@@ -63,6 +64,14 @@ KINDS = {
             False, 2),
         lambda a, src, index: (a @ _gather(src[0], index).transpose(-1, -2)).softmax(-1)
         @ _gather(src[1], index)),
+    'final-b-scaled': (
+        lambda a, src, index: qt.final_level_b_triton(a, src[0], src[1], index,
+                                                      src[2].float()),
+        lambda a, src, index: qa._GatheredMatmul.apply(
+            qa._GatheredMatmul.apply(a, src[0], index, True, 2).softmax(-1), src[1], index,
+            False, 2) * src[2],
+        lambda a, src, index: (a @ _gather(src[0], index).transpose(-1, -2)).softmax(-1)
+        @ _gather(src[1], index) * src[2]),
     'final-a': (
         lambda a, src, index: qt.final_level_a_triton(a, src[0], src[1], index, src[2]),
         lambda a, src, index: qa._GatheredMatmul.apply(
@@ -100,6 +109,8 @@ def _problem(B, h, L, nf, M, d, K, kind, seed=0, index=None):
             for i in range(2 if kind.startswith('final') else 1)]
     if kind == 'final-a':  # prev_score: positive weights of the K / 4 candidate parents
         srcs.append(torch.rand(B, h, L, K // 4, generator=_gen(seed + 4), dtype=torch.float64))
+    if kind == 'final-b-scaled':  # a level weight (softmax of the level logits: in (0, 1))
+        srcs.append(torch.rand((), generator=_gen(seed + 4), dtype=torch.float64) * 0.9 + 0.05)
     if index is None:
         index = torch.randint(0, M, (B, h, L, K), generator=_gen(seed + 5))
     grad = torch.randn(B, h, L, nf, K if kind == 'scores' else d, generator=_gen(seed + 6),
@@ -107,8 +118,21 @@ def _problem(B, h, L, nf, M, d, K, kind, seed=0, index=None):
     return a, srcs, index, grad
 
 
-def _max_rel(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
+def _max_rel(a, b, magnitude=None):
+    """Largest error relative to the largest reference value, or to ``magnitude``: for the
+    gradient of B's level weight, a sum of ``g . out`` over all rows with cancellations,
+    the sum of the terms' absolute values (what the float32 sums' rounding scales with)."""
+    return ((a - b).abs().max() / (b.abs().max() if magnitude is None else magnitude)).item()
+
+
+def _terms(kind, ref, srcs, grad):
+    """Per result of ``_run`` (out, da, dsrc...), the magnitude ``_max_rel`` takes: None,
+    but for the level weight's gradient (``final-b-scaled``) the sum over rows of
+    ``|g . out / scale|`` (float64 reference)."""
+    mags = [None] * len(ref)
+    if kind == 'final-b-scaled':
+        mags[-1] = (grad * ref[0] / srcs[2]).sum(-1).abs().sum().item()
+    return mags
 
 
 # (B, h, L, F, M, d, K): several heads and odd L (a masked tail in the 2-parent blocks),
@@ -134,10 +158,12 @@ def test_forward_and_gradients_match_float64_and_torch_path(case, kind):
     ours = _run(kernel, a, srcs, index, grad, torch.float32)
     torch_out = _run(torch_path, a, srcs, index, grad, torch.float32)
     assert len(ours) == 2 + len(srcs)
-    for name, x, t, r in zip(('out', 'da', 'dsrc', 'dsrc2', 'dprev'), ours, torch_out, ref):
-        assert _max_rel(x, r) < _FP32_BOUND, (name, _max_rel(x, r))
-        assert _max_rel(t, r) < _FP32_BOUND, (name, _max_rel(t, r))
-        assert _max_rel(x, t) < _FP32_BOUND, (name, _max_rel(x, t))
+    mags = _terms(kind, ref, srcs, grad)
+    for name, x, t, r, m in zip(('out', 'da', 'dsrc', 'dsrc2', 'dprev'), ours, torch_out, ref,
+                                mags):
+        assert _max_rel(x, r, m) < _FP32_BOUND, (name, _max_rel(x, r, m))
+        assert _max_rel(t, r, m) < _FP32_BOUND, (name, _max_rel(t, r, m))
+        assert _max_rel(x, t, m) < _FP32_BOUND, (name, _max_rel(x, t, m))
 
 
 @pytest.mark.parametrize('kind', list(KINDS))
@@ -156,8 +182,9 @@ def test_all_parents_on_two_rows_accumulate(kind):
         assert dsrc[:, :, [1, 3]].abs().min() > 1e-3
         assert torch.equal(dsrc[:, :, [0, 2, 4, 5]], torch.zeros_like(dsrc[:, :, :4]))
         assert _max_rel(dsrc, r) < _FP32_BOUND
-    for x, r in zip(ours[2 + tables:], ref[2 + tables:]):  # A's prev_score
-        assert _max_rel(x, r) < _FP32_BOUND
+    mags = _terms(kind, ref, srcs, grad)
+    for x, r, m in zip(ours[2 + tables:], ref[2 + tables:], mags[2 + tables:]):
+        assert _max_rel(x, r, m) < _FP32_BOUND  # A's prev_score, B's level weight
 
 
 @pytest.mark.parametrize('kind', list(KINDS))
@@ -169,17 +196,19 @@ def test_non_contiguous_inputs(kind):
     kernel, _, reference = KINDS[kind]
     a, srcs, index, grad = _problem(B, h, L, nf, M, d, K, kind, seed=9)
     a = a.float().transpose(2, 3).contiguous().transpose(2, 3)
-    srcs = [s.float().transpose(1, 2).contiguous().transpose(1, 2) for s in srcs]
+    srcs = [s.float().transpose(1, 2).contiguous().transpose(1, 2) if s.dim() == 4
+            else s.float() for s in srcs]  # (B's 0-d level weight as it is)
     index = torch.stack([index, index], -1).flatten(-2)[..., ::2]
     assert not (a.is_contiguous() or index.is_contiguous()
-                or any(s.is_contiguous() for s in srcs))
+                or any(s.is_contiguous() for s in srcs if s.dim() == 4))
     out = _run(kernel, a, srcs, index, grad, torch.float32)
     ref = _run(kernel, a.contiguous(), [s.contiguous() for s in srcs], index.contiguous(),
                grad, torch.float32)
     for x, r in zip(out, ref):
         assert torch.equal(x, r)
     f64 = _run(reference, a.double(), [s.double() for s in srcs], index, grad, torch.float64)
-    assert all(_max_rel(x, r) < _FP32_BOUND for x, r in zip(out, f64))
+    mags = _terms(kind, f64, [s.double() for s in srcs], grad)
+    assert all(_max_rel(x, r, m) < _FP32_BOUND for x, r, m in zip(out, f64, mags))
 
 
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -198,8 +227,10 @@ def test_half_inputs_accumulate_in_float32(dtype, kind):
     ref = _run(reference, a, srcs, index, grad, torch.float64)
     ours = _run(kernel, a, srcs, index, grad, dtype)
     u = _UNIT_ROUNDOFF[dtype]
-    for name, x, r in zip(('out', 'da', 'dsrc', 'dsrc2', 'dprev'), ours, ref):
-        bound = u * r.abs() + 1e-5 * r.abs().max()
+    mags = _terms(kind, ref, srcs, grad)
+    for name, x, r, m in zip(('out', 'da', 'dsrc', 'dsrc2', 'dprev'), ours, ref, mags):
+        # (B's level weight: its gradient, a sum with cancellations, to 1e-5 of its terms)
+        bound = u * r.abs() + 1e-5 * (r.abs().max() if m is None else m)
         assert ((x - r).abs() <= bound).all(), (name, ((x - r).abs() - bound).max().item())
 
 
@@ -285,34 +316,51 @@ def test_core_with_kernels_matches_pytorch_path(attn_type, levels, hw, heads, to
 
 
 def test_b_training_saves_no_level_weights_or_int64_indices():
-    """What a training forward of B (4 levels) keeps for the backward, with the kernels:
-    no softmax weights ``(.., 4, 4Kp)`` of any level (the fused kernel recomputes them from
-    its max / sum statistics), no int64 tensor (the top-k selections carry no gradient;
-    the candidate lists are int32). The PyTorch path keeps both, which this would catch."""
-    heads, topks, hw, levels = 2, (4, 6, 5), (16, 24), 4
-    qs, ks, vs = _pyramids(2, 8 * heads, hw, levels, seed=3)
-    weight = torch.softmax(torch.randn(levels, generator=_gen(4)), 0)
+    """What a training forward of B (4 levels, level weights, LePE convs) keeps for the
+    backward, with the kernels: no softmax weights ``(.., 4, 4Kp)`` of any level (the fused
+    kernel recomputes them from its max / sum statistics), no int64 tensor (the top-k
+    selections carry no gradient; the candidate lists are int32), and no finer level's
+    messages ``(B, h, N_i, d)`` other than views of the inputs (the kernel applies the level
+    weight, whose gradient it forms from its per-row ``g . out``; the LePE conv has the
+    weight folded in). The PyTorch path keeps all three, which this would catch."""
+    heads, topks, hw, levels, C = 2, (4, 6, 5), (16, 24), 4, 16
+    qs, ks, vs = _pyramids(2, C, hw, levels, seed=3)
+    torch.manual_seed(0)
+    convs = [torch.nn.Conv2d(C, C, 3, 1, 1, groups=C) for _ in range(levels)]
+    logits = torch.randn(levels, generator=_gen(4)).requires_grad_(True)
 
     def saved(flag):
         xs = [t.clone().requires_grad_(True) for t in qs + ks + vs]
         kept = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t,
                                                       lambda t: t):
-            qa.quadtree_attention_core(xs[:levels], xs[levels:2 * levels], xs[2 * levels:],
-                                       heads, topks, 'B', weight, use_triton=flag)
-        return kept
+            qa.quadtree_attention_core(
+                xs[:levels], xs[levels:2 * levels], xs[2 * levels:], heads, topks, 'B',
+                torch.softmax(logits, 0),
+                [qa.LePEConv(v, conv) for v, conv in zip(xs[2 * levels:], convs)],
+                use_triton=flag)
+        inputs = {t.untyped_storage().data_ptr() for t in xs}
+        return kept, inputs
 
     def level_weights(kept):  # one per storage (softmax and messages save the same)
         return list({t.untyped_storage().data_ptr(): t for t in kept
                      if t.dim() == 5 and t.shape[3] == 4 and t.is_floating_point()
                      and t.shape[4] in [4 * k for k in topks]}.values())
 
-    with_kernels, pytorch_path = saved(True), saved(False)
+    def messages(kept, inputs):  # finer levels' (B, h, N_i, d) maps not held by the inputs
+        shapes = [(2, heads, (hw[0] >> s) * (hw[1] >> s), C // heads) for s in range(levels - 1)]
+        return [t for t in kept if tuple(t.shape) in shapes
+                and t.untyped_storage().data_ptr() not in inputs]
+
+    (with_kernels, inputs), (pytorch_path, inputs_p) = saved(True), saved(False)
     assert not level_weights(with_kernels), [t.shape for t in level_weights(with_kernels)]
     assert not [t for t in with_kernels if t.dtype == torch.int64]
     assert any(t.dtype == torch.int32 for t in with_kernels)  # the candidate lists
+    assert not messages(with_kernels, inputs), [t.shape for t in messages(with_kernels,
+                                                                            inputs)]
     assert len(level_weights(pytorch_path)) == levels - 1
     assert any(t.dtype == torch.int64 for t in pytorch_path)
+    assert len(messages(pytorch_path, inputs_p)) >= levels - 1
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -369,7 +417,10 @@ def test_module_with_kernels_matches_pytorch_path(monkeypatch):
         out = m(x, (11, 13))
         out.square().sum().backward()
         results.append((out.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}))
-    assert len(calls) == 3  # level 1: scores, messages; final level 2: fused
+    # training: level 1 the scores (for the top-k) and the fused kernel; final level 2 the
+    # fused kernel (with the level weights and the LePE conv folded, both variants of
+    # which get their gradients checked below)
+    assert calls == ['gathered_scores_triton'] + ['final_level_b_triton'] * 2, calls
     (out_t, grads_t), (out_p, grads_p) = results
     # observed (relative to each tensor's largest value): output 8e-8, parameter
     # gradients <= 4.8e-7
@@ -452,7 +503,8 @@ def test_backbone_attn_cfg_reaches_the_operator():
 
 # --------------------------------------------------------------------------- registration
 _OPS = {'scores': 'qt_gathered_scores', 'messages': 'qt_gathered_messages',
-        'final-b': 'qt_final_level_b', 'final-a': 'qt_final_level_a'}
+        'final-b': 'qt_final_level_b', 'final-b-scaled': 'qt_final_level_b',
+        'final-a': 'qt_final_level_a'}
 
 
 @pytest.mark.parametrize('kind', list(KINDS))
@@ -462,7 +514,8 @@ def test_custom_op_registration(kind):
     / ``qt_final_level_a`` (``opcheck``)."""
     a, srcs, index, _ = _problem(1, 2, 3, 4, 8, 4, 8 if kind == 'final-a' else 5, kind)
     args = [t.float().requires_grad_(True) for t in [a] + srcs]
-    args.insert(3 if kind == 'final-a' else len(args), index)  # A: (q, k, v, index, prev)
+    # (q, k, v, index) + A's prev_score / B's scale
+    args.insert(3 if kind in ('final-a', 'final-b-scaled') else len(args), index)
     op = getattr(torch.ops.flatten_mm, _OPS[kind])
     torch.library.opcheck(op.default, tuple(args),
                           test_utils=('test_schema', 'test_autograd_registration',
@@ -656,8 +709,8 @@ def test_gpu_check_tool_quadtree_check_fails_a_broken_kernel(monkeypatch):
     args = _tiny_args(tool, monkeypatch)
     real = qt.final_level_b_triton
 
-    def broken(q, k, v, index):
-        out = real(q, k, v, index)
+    def broken(q, k, v, index, scale=None):
+        out = real(q, k, v, index, scale)
         return out + 1e-4 * out.detach().abs().max()
 
     monkeypatch.setattr(qt, 'final_level_b_triton', broken)

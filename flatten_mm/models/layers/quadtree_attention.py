@@ -54,6 +54,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from . import cpu_kernels
 from .conv import tokens_as_map
@@ -406,6 +407,25 @@ def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.
 
 
 # --------------------------------------------------------------------------- core
+class LePEConv:
+    """A lazily evaluated LePE map of ``quadtree_attention_core``: the depth-wise 3x3 conv
+    ``conv`` of the value map ``value`` (float32). Called with a level weight ``scale``, it
+    folds the weight into the conv's weight and bias (``conv(value) * scale`` without a
+    saved copy of ``conv(value)`` for the weight's gradient)."""
+
+    def __init__(self, value: torch.Tensor, conv: nn.Conv2d) -> None:
+        self.value, self.conv = value, conv
+
+    def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        w, b = self.conv.weight.float(), self.conv.bias
+        b = b.float() if b is not None else None
+        if scale is not None:
+            w = w * scale
+            b = b * scale if b is not None else None
+        return F.conv2d(self.value.float(), w, b, padding=self.conv.padding,
+                        groups=self.conv.groups)
+
+
 def quadtree_attention_core(queries: Sequence[torch.Tensor],
                             keys: Sequence[torch.Tensor],
                             values: Sequence[torch.Tensor],
@@ -434,7 +454,8 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             ``softmax(py_att.weight)``); ``None`` means all ones.
         lepes: B only, optional per-level ``(B, C, h_i, w_i)`` maps added to the level
             messages before weighting (LePE), or zero-argument callables returning them
-            (evaluated when the level is merged).
+            (evaluated when the level is merged; ``LePEConv`` ones also take the level
+            weight, folded into their conv, where the fused kernel applies the weight).
         margin_recorder: optional callback ``(level, margin)`` receiving, for every used
             top-k, the smallest ``(k-th - (k+1)-th) / k-th`` weight gap (parity checks).
         chunk_elements: bound on the gathered elements held at once.
@@ -471,9 +492,13 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         + list(lepes or []) + ([level_weights] if level_weights is not None else [])
         if isinstance(t, torch.Tensor)))
 
-    def lepe(i: int) -> torch.Tensor:  # LePE maps may be given as callables (lazy)
-        m = lepes[i]() if callable(lepes[i]) else lepes[i]
-        return _to_heads(m.float(), h)
+    def lepe(i: int, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Level ``i``'s LePE map in heads, times ``scale`` if given (callables are lazy)."""
+        m = lepes[i]
+        if isinstance(m, LePEConv):
+            return _to_heads(m(scale), h)
+        m = (m() if callable(m) else m).float()
+        return _to_heads(m if scale is None else m * scale, h)
 
     q0, k0, v0 = (_to_heads(t.float(), h) for t in (queries[0], keys[0], values[0]))
     if S == 1 and attn_type == 'B':
@@ -502,6 +527,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
     # ---- finer levels
     grid = (hc, wc)
     lepe_added = set()  # levels whose messages already hold their LePE
+    weighted = set()  # levels whose messages (and LePE) already carry their level weight
     for i in range(1, S):
         final = i == S - 1
         hi, wi = queries[i].shape[-2:]
@@ -559,9 +585,22 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                 sel = attn.topk(topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
                 idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
                 del attn, sel
-            msg = qt_triton.final_level_b_triton(q, k, v, cand) if attn_type == 'B' else \
-                qt_triton.final_level_a_triton(q, k, v, cand, prev_score)
-            messages.append(_children_to_raster(msg, (hi, wi)))
+            if attn_type == 'B':
+                # the level weight is applied in the kernel (its gradient from the
+                # backward's per-row g . out, no saved unweighted messages) and folded into
+                # the LePE conv
+                scale = level_weights[i] if level_weights is not None else None
+                msg = _children_to_raster(qt_triton.final_level_b_triton(q, k, v, cand, scale),
+                                          (hi, wi))
+                if scale is not None:
+                    weighted.add(i)
+                    if lepes is not None:
+                        msg = msg.add_(lepe(i, scale)) if inference else msg + lepe(i, scale)
+                        lepe_added.add(i)
+            else:
+                msg = _children_to_raster(
+                    qt_triton.final_level_a_triton(q, k, v, cand, prev_score), (hi, wi))
+            messages.append(msg)
             if not final:
                 prev_idx, prev_score = _children_to_raster(idx_i, (hi, wi)), None
             grid = (hi, wi)
@@ -597,7 +636,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         if attn_type == 'B':
             if lepes is not None and i not in lepe_added:
                 msg = msg.add_(lepe(i)) if inference else msg + lepe(i)
-            if level_weights is not None:
+            if level_weights is not None and i not in weighted:
                 msg = msg.mul_(level_weights[i]) if inference else msg * level_weights[i]
         if out is None:
             out = msg
@@ -826,6 +865,13 @@ class QuadTreeAttention(nn.Module):
             (forward and backward): ``None`` auto (on CUDA, when Triton imports), ``True``
             force (an error if they cannot run), ``False`` the PyTorch path.
             ``FLATTEN_MM_TRITON=0`` turns them off everywhere.
+        checkpoint_value_branchs: B, when training: the value branches (GroupNorm, act,
+            2x2 conv, GroupNorm, act, 1x1 conv per level) are recomputed in the backward
+            instead of keeping their inner maps (``torch.utils.checkpoint``; their inputs
+            and outputs, the value pyramid, are kept by the attention anyway): the same
+            outputs and gradients, about a level's value map less memory per branch, for
+            one more forward of the branches. With a backbone's ``with_cp`` the whole block
+            is recomputed already; ``False`` then saves that third pass.
     """
 
     def __init__(self,
@@ -839,9 +885,11 @@ class QuadTreeAttention(nn.Module):
                  topk: Union[int, Sequence[int]] = 32,
                  value_act: str = 'relu',
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                 use_triton: Optional[bool] = None) -> None:
+                 use_triton: Optional[bool] = None,
+                 checkpoint_value_branchs: bool = True) -> None:
         super().__init__()
         self.use_triton = _check_use_triton(use_triton)
+        self.checkpoint_value_branchs = bool(checkpoint_value_branchs)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
@@ -923,6 +971,18 @@ class QuadTreeAttention(nn.Module):
                 f'topk={self.topks[0]}; need ceil(H/{f}) * ceil(W/{f}) >= {self.topks[0]} '
                 f'(e.g. a {side}x{side} map)')
 
+    def _value_branch(self, t: int, v: torch.Tensor) -> torch.Tensor:
+        """B's value map of the next coarser level (``value_branchs[t]``; recomputed in the
+        backward when ``checkpoint_value_branchs`` and autograd records it)."""
+        branch = self.value_branchs[t]
+        if (self.checkpoint_value_branchs and torch.is_grad_enabled()
+                and (v.requires_grad or any(p.requires_grad for p in branch.parameters()))
+                and not (torch.jit.is_scripting() or torch.jit.is_tracing()
+                         or torch.onnx.is_in_onnx_export())):
+            # (no random op in a branch: no RNG state to restore)
+            return checkpoint(branch, v, use_reentrant=False, preserve_rng_state=False)
+        return branch(v)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                hw_shape: Tuple[int, int]) -> torch.Tensor:
         """QuadTree attention on projected tokens (no ``q/k/v_proj``, no ``proj``).
@@ -945,7 +1005,7 @@ class QuadTreeAttention(nn.Module):
         queries, keys, values = [q], [k], [v]  # finest first
         for t in range(self.num_levels - 1):
             q, k = _avg_pool_2x2(q), _avg_pool_2x2(k)
-            v = self.value_branchs[t](v) if self.attn_type == 'B' else _avg_pool_2x2(v)
+            v = self._value_branch(t, v) if self.attn_type == 'B' else _avg_pool_2x2(v)
             queries.append(q)
             keys.append(k)
             values.append(v)
@@ -956,11 +1016,7 @@ class QuadTreeAttention(nn.Module):
             if self.attn_type == 'B':
                 level_weights = torch.softmax(self.py_att.weight.float(), dim=0)
                 # evaluated when their level is merged (keeps one LePE map alive at a time)
-                lepes = [
-                    functools.partial(F.conv2d, val.float(), conv.weight.float(),
-                                      conv.bias.float(), padding=1, groups=C)
-                    for val, conv in zip(values, self.py_att.get_vs)
-                ]
+                lepes = [LePEConv(val, conv) for val, conv in zip(values, self.py_att.get_vs)]
             out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
                                           self.attn_type, level_weights, lepes,
                                           self.margin_recorder, self.chunk_elements,

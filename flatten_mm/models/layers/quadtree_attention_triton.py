@@ -184,7 +184,7 @@ def _group_softmax(sc, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, out_ptr, stats_ptr,
+def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, scale_ptr, out_ptr, stats_ptr,
                   H, L, K, D,
                   sqb, sqh, sql, sqf, sqd,
                   skb, skh, skm, skd,
@@ -193,7 +193,7 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, out_ptr, stats_ptr,
                   spb, sph, spl, spk,
                   sob, soh, sol, sof, sod,
                   F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr):
+                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr, SCALED: tl.constexpr):
     """The final level fused for ``BLOCK_P`` parents of one (batch, head) pair; the
     ``K`` candidates of a parent fit one tile, so the softmax is exact in registers (no
     scores or weights written).
@@ -207,10 +207,15 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, out_ptr, stats_ptr,
     (``cand[l, 4 j: 4 j + 4]``: the children of candidate parent ``j``, as
     ``_child_candidates`` orders them) and the weights of group ``j`` are scaled by
     ``prev_score[l, j]``; nothing is stored besides ``out`` (the backward recomputes the
-    4-wide softmax)."""
+    4-wide softmax).
+
+    ``SCALED`` (B): ``out`` is multiplied by the float32 scalar at ``scale_ptr`` (B's level
+    weight: no unscaled copy of the messages has to be kept for its gradient)."""
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
      vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
                         svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
+    if SCALED:
+        scale = tl.load(scale_ptr).to(tl.float32)
     q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
     o_base = out_ptr + b * sob + hh * soh + par64[:, None] * sol + dd[None, :] * sod
     stats_base = stats_ptr + bh.to(tl.int64) * L * F * 2 + par64 * F * 2
@@ -229,14 +234,16 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, out_ptr, stats_ptr,
             e = tl.exp(sc - m[:, None])
             den = tl.sum(e, axis=1)
             o = tl.sum(vg * e[:, :, None], axis=1) / den[:, None]
+            if SCALED:
+                o = o * scale
             tl.store(stats_base + 2 * f, m, mask=pmask)
             tl.store(stats_base + 2 * f + 1, den, mask=pmask)
         tl.store(o_base + f * sof, _cast_rne(o, out_ptr.dtype.element_ty), mask=pd_mask)
 
 
 @triton.jit
-def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_ptr, dk_ptr,
-                  dv_ptr, dps_ptr, H, L, K, D, M,
+def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, scale_ptr, g_ptr, dq_ptr,
+                  dk_ptr, dv_ptr, dps_ptr, dscale_ptr, H, L, K, D, M,
                   sqb, sqh, sql, sqf, sqd,
                   skb, skh, skm, skd,
                   svb, svh, svm, svd,
@@ -244,7 +251,8 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
                   spb, sph, spl, spk,
                   sgb, sgh, sgl, sgf, sgd,
                   F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, GROUPED: tl.constexpr):
+                  BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, GROUPED: tl.constexpr,
+                  SCALED: tl.constexpr):
     """Backward of ``_qt_final_fwd``: ``dq`` (contiguous, input dtype) and float32 atomic
     scatter-adds into ``dk`` / ``dv`` (contiguous ``(B, h, M, d)``)::
 
@@ -260,7 +268,11 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
     scattered ``CHUNK_D`` channels at a time from them and the reloaded ``q`` / ``g``.
 
     A also writes ``dps`` (contiguous ``(B, h, L, K / 4)``, the prev_score dtype): each
-    parent's groups belong to one program, so no atomics there."""
+    parent's groups belong to one program, so no atomics there.
+
+    ``SCALED`` (B, ``out = scale * o``): ``ds`` and ``w`` carry the scale, and each child
+    row's ``g . o = sum_k p dp`` is written to ``dscale`` (contiguous ``(B, h, L, F)``
+    float32; their sum is the scale's gradient)."""
     tl.static_assert((F & (F - 1)) == 0, 'F (children per parent) must be a power of 2')
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
      vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
@@ -275,6 +287,8 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
     if GROUPED:
         ps = _prev_scores(ps_ptr, b, hh, par64, pmask, K, spb, sph, spl, spk, BLOCK_K)
         dps = tl.zeros((BLOCK_P, BLOCK_K // 4), tl.float32)
+    if SCALED:
+        scale = tl.load(scale_ptr).to(tl.float32)
     for f in tl.static_range(F):
         qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
         gf = tl.load(g_base + f * sgf, mask=pd_mask, other=0.).to(tl.float32)
@@ -292,7 +306,12 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, g_ptr, dq_pt
             den = tl.load(stats_base + 2 * f + 1, mask=pmask, other=1.)
             p = tl.where(pk_mask, tl.exp(sc - m[:, None]) / den[:, None], 0.)  # (BP, BK)
             # (g . out from the float32 weights, not from the stored, rounded output)
-            ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+            go = tl.sum(p * dp, axis=1)
+            ds = p * (dp - go[:, None])
+            if SCALED:
+                tl.store(dscale_ptr + bh.to(tl.int64) * L * F + par64 * F + f, go, mask=pmask)
+                ds = ds * scale
+                p = p * scale
         dqf = tl.sum(kg * ds[:, :, None], axis=1)
         tl.store(dq_base + f * D, _cast_rne(dqf, dq_ptr.dtype.element_ty), mask=pd_mask)
         is_f = (ff == f)[None, None, :]
@@ -390,8 +409,8 @@ def _signature(fn, const: dict, io: str, fp32_ptrs: Tuple[str, ...]) -> Tuple[di
     for arg in fn.arg_names:
         if arg in const:
             sig[arg], cst[arg] = 'constexpr', const[arg]
-        elif arg == 'cand_ptr':
-            sig[arg] = '*i64'
+        elif arg == 'cand_ptr':  # (the core's candidate lists are int32)
+            sig[arg] = '*i32'
         elif arg.endswith('_ptr'):
             sig[arg] = '*fp32' if arg in fp32_ptrs else io
         else:
@@ -401,7 +420,8 @@ def _signature(fn, const: dict, io: str, fp32_ptrs: Tuple[str, ...]) -> Tuple[di
 
 def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     """What the launches of the ops compile (scores / messages, forward / backward, and the
-    fused final level's two kernels for variant B and for variant A): ``(name, kernel,
+    fused final level's two kernels for variant B, with its level weight as the released
+    models have it, and for variant A): ``(name, kernel,
     signature, constexprs, options)`` each, for ahead-of-time compilation without a GPU
     (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``). Needs
     the kernels compiled, not interpreted."""
@@ -419,11 +439,13 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
         specs.append((name, _qt_gathered_kernel, sig, cst, options))
     bp, bk, bd, warps = _final_blocks(num_candidates, head_dim)
     for variant in 'ba':
-        const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=variant == 'a')
+        const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=variant == 'a',
+                     SCALED=variant == 'b')
         for name, fn, fp32, extra in (
-                (f'final_level_{variant}', _qt_final_fwd, ('stats_ptr', ), {}),
+                (f'final_level_{variant}', _qt_final_fwd, ('stats_ptr', 'scale_ptr'), {}),
                 (f'final_level_{variant}_backward', _qt_final_bwd,
-                 ('stats_ptr', 'dk_ptr', 'dv_ptr'), dict(CHUNK_D=_final_chunk_d(bd)))):
+                 ('stats_ptr', 'dk_ptr', 'dv_ptr', 'scale_ptr', 'dscale_ptr'),
+                 dict(CHUNK_D=_final_chunk_d(bd)))):
             sig, cst = _signature(fn, dict(const, **extra), io, fp32)
             specs.append((name, fn, sig, cst, dict(num_warps=warps)))
     return specs
@@ -612,26 +634,29 @@ def _final_chunk_d(block_d: int) -> int:
     return min(block_d, _FINAL_CHUNK_D)
 
 
-def _final_forward(query, key, value, index, prev_score):
+def _final_forward(query, key, value, index, prev_score, scale=None):
     """``(out, stats)`` of ``_qt_final_fwd``: variant B when ``prev_score`` is ``None``
-    (``stats`` ``(B, h, L, F, 2)`` float32), else variant A (``stats`` empty)."""
+    (``stats`` ``(B, h, L, F, 2)`` float32; ``out`` times the float32 scalar ``scale`` if
+    given), else variant A (``stats`` empty)."""
     B, h, L, nf, d = query.shape
     K = index.shape[-1]
     bp, bk, bd, warps = _final_blocks(K, d)
     grouped = prev_score is not None
     out = query.new_empty((B, h, L, nf, d))
     stats = query.new_empty((0, ) if grouped else (B, h, L, nf, 2), dtype=torch.float32)
-    ps = prev_score if grouped else query  # (unused pointer for B)
+    ps = prev_score if grouped else query  # (unused pointers for B / without scale)
+    sc = scale if scale is not None else query
     torch.library.wrap_triton(_qt_final_fwd)[(triton.cdiv(L, bp), B * h)](
-        query, key, value, index, ps, out, stats, h, L, K, d, *query.stride(), *key.stride(),
-        *value.stride(), *index.stride(), *(ps.stride()[:4] if grouped else (0, ) * 4),
-        *out.stride(), F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped,
-        num_warps=warps)
+        query, key, value, index, ps, sc, out, stats, h, L, K, d, *query.stride(),
+        *key.stride(), *value.stride(), *index.stride(),
+        *(ps.stride()[:4] if grouped else (0, ) * 4), *out.stride(), F=nf, BLOCK_P=bp,
+        BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped, SCALED=scale is not None, num_warps=warps)
     return out, stats
 
 
-def _final_backward_launch(grad, query, key, value, index, stats, prev_score):
-    """``(dq, dk, dv, dprev_score)`` by ``_qt_final_bwd`` (``dprev_score`` empty for B)."""
+def _final_backward_launch(grad, query, key, value, index, stats, prev_score, scale=None):
+    """``(dq, dk, dv, dprev_score, dscale)`` by ``_qt_final_bwd`` (``dprev_score`` empty
+    for B, ``dscale`` empty without ``scale``)."""
     B, h, L, nf, d = query.shape
     M, K = key.shape[2], index.shape[-1]
     bp, bk, bd, warps = _final_blocks(K, d)
@@ -642,13 +667,19 @@ def _final_backward_launch(grad, query, key, value, index, stats, prev_score):
     ps = prev_score if grouped else query  # (unused pointers for B)
     dps = torch.empty(ps.shape, dtype=ps.dtype, device=ps.device) if grouped else \
         query.new_empty((0, ))
+    scaled = scale is not None
+    sc = scale if scaled else query
+    # (per child row g . o, summed below: a deterministic reduction, no atomics)
+    rows = torch.empty((B, h, L, nf) if scaled else (0, ), dtype=torch.float32,
+                       device=query.device)
     torch.library.wrap_triton(_qt_final_bwd)[(triton.cdiv(L, bp), B * h)](
-        query, key, value, index, stats, ps, grad, dq, dk, dv, dps, h, L, K, d, M,
+        query, key, value, index, stats, ps, sc, grad, dq, dk, dv, dps, rows, h, L, K, d, M,
         *query.stride(), *key.stride(), *value.stride(), *index.stride(),
         *(ps.stride()[:4] if grouped else (0, ) * 4), *grad.stride(),
         F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, CHUNK_D=_final_chunk_d(bd), GROUPED=grouped,
-        num_warps=warps)
-    return dq, dk.to(key.dtype), dv.to(value.dtype), dps
+        SCALED=scaled, num_warps=warps)
+    dscale = rows.sum().reshape(scale.shape).to(scale.dtype) if scaled else rows
+    return dq, dk.to(key.dtype), dv.to(value.dtype), dps, dscale
 
 
 def _qkv_grads_fake(query, key, value):
@@ -658,40 +689,47 @@ def _qkv_grads_fake(query, key, value):
 
 @torch.library.triton_op('flatten_mm::qt_final_level_b', mutates_args=())
 def _final_b_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _final_forward(query, key, value, index, None)
+                index: torch.Tensor, scale: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _final_forward(query, key, value, index, None, scale)
 
 
 @_final_b_op.register_fake
-def _(query, key, value, index):
+def _(query, key, value, index, scale=None):
     return (query.new_empty(query.shape),
             query.new_empty((*query.shape[:4], 2), dtype=torch.float32))
 
 
 @torch.library.triton_op('flatten_mm::qt_final_level_b_backward', mutates_args=())
 def _final_b_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         value: torch.Tensor, index: torch.Tensor,
-                         stats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _final_backward_launch(grad, query, key, value, index, stats, None)[:3]
+                         value: torch.Tensor, index: torch.Tensor, stats: torch.Tensor,
+                         scale: Optional[torch.Tensor] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dquery, dkey, dvalue, dscale)`` (``dscale`` empty without ``scale``)."""
+    dq, dk, dv, _, dscale = _final_backward_launch(grad, query, key, value, index, stats,
+                                                   None, scale)
+    return dq, dk, dv, dscale
 
 
 @_final_b_backward_op.register_fake
-def _(grad, query, key, value, index, stats):
-    return _qkv_grads_fake(query, key, value)
+def _(grad, query, key, value, index, stats, scale=None):
+    return _qkv_grads_fake(query, key, value) + (
+        scale.new_empty(scale.shape) if scale is not None else
+        query.new_empty((0, ), dtype=torch.float32), )
 
 
 def _final_b_setup(ctx, inputs, output):
-    query, key, value, index = inputs
+    query, key, value, index, scale = inputs
     _, stats = output
-    ctx.save_for_backward(query, key, value, index, stats)
+    ctx.save_for_backward(query, key, value, index, stats, scale)
     ctx.mark_non_differentiable(stats)
 
 
 def _final_b_backward(ctx, grad_out, grad_stats):
-    query, key, value, index, stats = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flatten_mm.qt_final_level_b_backward(grad_out, query, key, value,
-                                                                index, stats)
-    return dq, dk, dv, None
+    query, key, value, index, stats, scale = ctx.saved_tensors
+    dq, dk, dv, dscale = torch.ops.flatten_mm.qt_final_level_b_backward(
+        grad_out, query, key, value, index, stats, scale)
+    return dq, dk, dv, None, dscale if scale is not None else None
 
 
 _final_b_op.register_autograd(_final_b_backward, setup_context=_final_b_setup)
@@ -714,7 +752,7 @@ def _final_a_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Ten
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dquery, dkey, dvalue, dprev_score)`` (all contiguous)."""
     stats = query.new_empty((0, ), dtype=torch.float32)  # (A recomputes its softmax)
-    return _final_backward_launch(grad, query, key, value, index, stats, prev_score)
+    return _final_backward_launch(grad, query, key, value, index, stats, prev_score)[:4]
 
 
 @_final_a_backward_op.register_fake
@@ -785,17 +823,23 @@ def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor,
 
 
 def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         index: torch.Tensor) -> torch.Tensor:
+                         index: torch.Tensor, scale: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
     """Variant B's final level in one kernel: ``gathered_messages(softmax(
-    gathered_scores(query, key, index)), value, index)`` without writing the ``(B, h, L, F,
-    K)`` scores or weights (differentiable in ``query``, ``key``, ``value``; the backward
-    recomputes the weights from the saved softmax max and sum).
+    gathered_scores(query, key, index)), value, index)`` (times ``scale``) without writing
+    the ``(B, h, L, F, K)`` scores or weights (differentiable in ``query``, ``key``,
+    ``value`` and ``scale``; the backward recomputes the weights from the saved softmax max
+    and sum).
 
     Args:
         query: ``(B, h, L, F, d)`` child queries (already multiplied by the temperature).
         key: ``(B, h, M, d)`` keys of the level.
         value: ``(B, h, M, d)`` values of the level.
         index: ``(B, h, L, K)`` candidate rows.
+        scale: optional float32 one-element tensor on the device of ``query``, e.g. B's
+            level weight: multiplied into the messages in the kernel, so that its gradient
+            needs no saved copy of the unscaled messages (the backward forms it from the
+            per-row ``g . out`` it computes anyway).
 
     Returns:
         ``(B, h, L, F, d)`` in the dtype of ``query`` (computed in float32).
@@ -803,8 +847,15 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    return _run_op(_final_level_problem(query, key, value, index),
-                   torch.ops.flatten_mm.qt_final_level_b, query, key, value, index)[0]
+    why = _final_level_problem(query, key, value, index)
+    if why is None and scale is not None:
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            why = (f'scale must be a one-element float32 tensor, got {tuple(scale.shape)} '
+                   f'{scale.dtype}')
+        else:
+            why = device_problem((query, scale), __name__)
+    return _run_op(why, torch.ops.flatten_mm.qt_final_level_b, query, key, value, index,
+                   scale)[0]
 
 
 def _final_level_problem(query, key, value, index) -> Optional[str]:
