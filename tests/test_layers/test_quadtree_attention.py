@@ -391,6 +391,53 @@ def test_value_branches_are_recomputed_with_the_same_gradients(value_act):
     assert saved - saved_cp == inner, (saved, saved_cp, inner)
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize('with_scale', [False, True])
+def test_lepe_conv_keeps_no_float32_copy_of_a_half_value_map(dtype, with_scale):
+    """``LePEConv``: the float32 depth-wise conv of a value map, times a level weight folded
+    into the conv. Output and gradients (map, conv weight and bias, level weight) those of
+    the plain computation ``conv(value.float()) * scale`` (bit-identical without the
+    weight, within float32 rounding with it); of a bf16 map
+    (autocast), the training forward keeps no float32 copy of it (the cast is redone in
+    the backward) and nothing the size of the output (the weight's gradient needs no
+    copy of the unweighted map)."""
+    from flatten_mm.models.layers.quadtree_attention import LePEConv
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 8, 3, 1, 1, groups=8)
+    v = torch.randn(2, 8, 6, 10).to(dtype).requires_grad_(True)
+    scale = torch.tensor(0.3, requires_grad=True) if with_scale else None
+    g = torch.randn(2, 8, 6, 10)
+    leaves = [v, conv.weight, conv.bias] + ([scale] if with_scale else [])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = LePEConv(v, conv)(scale)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref = F.conv2d(v.float(), conv.weight, conv.bias, padding=1, groups=8)
+    ref = ref * scale if with_scale else ref
+    ref_grads = torch.autograd.grad(ref, leaves, g)
+    assert out.dtype == torch.float32
+    if not with_scale:
+        assert torch.equal(out, ref)
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b)
+    else:  # conv(v, s w, s b) vs s conv(v, w, b): float32 rounding (observed <= 1.2e-7
+        # of each tensor's largest value; the weight's gradient, a sum with cancellations,
+        # 2e-8 of the sum of its terms' magnitudes)
+        mags = [None] * (len(leaves) - 1) + [(g * ref / scale).abs().sum()]
+        for name, a, b, m in zip(('out', 'v', 'w', 'b', 'scale'), (out, ) + grads,
+                                 (ref, ) + ref_grads, [None] + mags):
+            err = ((a - b).abs().max() / (b.abs().max() if m is None else m)).item()
+            assert err < 1e-6, (name, err)
+    big = [t for t in saved if t.numel() >= v.numel()]
+    if dtype == torch.bfloat16:
+        assert not [t for t in big if t.dtype == torch.float32], \
+            [(t.shape, t.dtype) for t in big]
+    if with_scale:  # (the map itself may be kept: the conv's weight gradient needs it)
+        assert all(t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                   or t.dtype == torch.float32 and dtype == torch.float32 for t in big), \
+            [(t.shape, t.dtype) for t in big]
+
+
 class _MaxNumel(TorchDispatchMode):
     """Largest tensor produced by any op (forward and backward)."""
 

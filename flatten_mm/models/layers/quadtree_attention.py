@@ -409,21 +409,33 @@ def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.
 # --------------------------------------------------------------------------- core
 class LePEConv:
     """A lazily evaluated LePE map of ``quadtree_attention_core``: the depth-wise 3x3 conv
-    ``conv`` of the value map ``value`` (float32). Called with a level weight ``scale``, it
-    folds the weight into the conv's weight and bias (``conv(value) * scale`` without a
-    saved copy of ``conv(value)`` for the weight's gradient)."""
+    ``conv`` of the value map ``value``, in float32. Called with a level weight ``scale``,
+    it folds the weight into the conv's weight and bias (``conv(value) * scale`` without a
+    saved copy of ``conv(value)`` for the weight's gradient). A bf16 / fp16 ``value``
+    (autocast) is cast inside a checkpoint when autograd records the conv: the backward
+    recasts it instead of keeping a float32 copy of the map."""
 
     def __init__(self, value: torch.Tensor, conv: nn.Conv2d) -> None:
         self.value, self.conv = value, conv
 
-    def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _apply(self, value: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
         w, b = self.conv.weight.float(), self.conv.bias
         b = b.float() if b is not None else None
         if scale is not None:
             w = w * scale
             b = b * scale if b is not None else None
-        return F.conv2d(self.value.float(), w, b, padding=self.conv.padding,
-                        groups=self.conv.groups)
+        return F.conv2d(value.float(), w, b, padding=self.conv.padding, groups=self.conv.groups)
+
+    def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        v = self.value
+        if (v.dtype != torch.float32 and torch.is_grad_enabled()
+                and (v.requires_grad or any(p.requires_grad for p in self.conv.parameters())
+                     or (scale is not None and scale.requires_grad))
+                and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())):
+            # (no random op: no RNG state to restore)
+            return checkpoint(self._apply, v, scale, use_reentrant=False,
+                              preserve_rng_state=False)
+        return self._apply(v, scale)
 
 
 def quadtree_attention_core(queries: Sequence[torch.Tensor],
