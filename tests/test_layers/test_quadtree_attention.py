@@ -348,7 +348,7 @@ def test_pyramid_pooling_saves_nothing_and_has_avg_pool2d_gradient(channels_last
 
 @pytest.mark.parametrize('value_act', ['relu', 'gelu'])
 def test_value_branches_are_recomputed_with_the_same_gradients(value_act):
-    """B's value branches under ``checkpoint_value_branchs`` (the default): output and
+    """B's value branches under ``recompute_values`` (the default): output and
     every gradient bit-identical to running them as they are, and the training forward
     keeps exactly the branches' inner maps less (per branch: the first activation's output
     at the branch's input size -- GELU also its input --, the 2x2 conv's output and the
@@ -358,12 +358,12 @@ def test_value_branches_are_recomputed_with_the_same_gradients(value_act):
     B, C, hw = 2, 16, (8, 12)
     m = QuadTreeAttention(C, 2, attn_type='B', num_levels=3, topk=4, value_act=value_act,
                           use_triton=False)
-    assert m.checkpoint_value_branchs
+    assert m.recompute_values
     x = torch.randn(B, hw[0] * hw[1], C)
     g = torch.randn(B, hw[0] * hw[1], C)
 
     def run(flag):
-        m.checkpoint_value_branchs = flag
+        m.recompute_values = flag
         xs = x.clone().requires_grad_(True)
         saved = {}
 
@@ -394,13 +394,13 @@ def test_value_branches_are_recomputed_with_the_same_gradients(value_act):
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize('with_scale', [False, True])
 def test_lepe_conv_keeps_no_float32_copy_of_a_half_value_map(dtype, with_scale):
-    """``LePEConv``: the float32 depth-wise conv of a value map, times a level weight folded
-    into the conv. Output and gradients (map, conv weight and bias, level weight) those of
-    the plain computation ``conv(value.float()) * scale`` (bit-identical without the
-    weight, within float32 rounding with it); of a bf16 map
+    """``LePEConv`` (``recompute`` on): the float32 depth-wise conv of a value map, times a
+    level weight folded into the conv. Output and gradients (map, conv weight and bias,
+    level weight) those of the plain computation ``conv(value.float()) * scale``
+    (bit-identical without the weight, within float32 rounding with it); of a bf16 map
     (autocast), the training forward keeps no float32 copy of it (the cast is redone in
-    the backward) and nothing the size of the output (the weight's gradient needs no
-    copy of the unweighted map)."""
+    the backward; without ``recompute`` it does) and nothing the size of the output (the
+    weight's gradient needs no copy of the unweighted map)."""
     from flatten_mm.models.layers.quadtree_attention import LePEConv
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(8, 8, 3, 1, 1, groups=8)
@@ -432,6 +432,11 @@ def test_lepe_conv_keeps_no_float32_copy_of_a_half_value_map(dtype, with_scale):
     if dtype == torch.bfloat16:
         assert not [t for t in big if t.dtype == torch.float32], \
             [(t.shape, t.dtype) for t in big]
+        kept = []  # (recompute=False: the float32 copy is what the conv keeps)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t,
+                                                      lambda t: t):
+            LePEConv(v, conv, recompute=False)(scale)
+        assert [t for t in kept if t.numel() >= v.numel() and t.dtype == torch.float32]
     if with_scale:  # (the map itself may be kept: the conv's weight gradient needs it)
         assert all(t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
                    or t.dtype == torch.float32 and dtype == torch.float32 for t in big), \

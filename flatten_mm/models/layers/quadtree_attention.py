@@ -332,7 +332,8 @@ class _AvgPool2x2(torch.autograd.Function):
         B, C, H, W = ctx.shape
         fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
         dx = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
-        # every input of a 2x2 window gets a quarter of the window's gradient
+        # every input of a 2x2 window gets a quarter of the window's gradient (a product
+        # and a copy into the window view: torch.compile takes no strided ``out=``)
         dx.view(B, C, H // 2, 2, W // 2, 2).copy_((grad * 0.25)[:, :, :, None, :, None])
         return dx
 
@@ -411,12 +412,12 @@ class LePEConv:
     """A lazily evaluated LePE map of ``quadtree_attention_core``: the depth-wise 3x3 conv
     ``conv`` of the value map ``value``, in float32. Called with a level weight ``scale``,
     it folds the weight into the conv's weight and bias (``conv(value) * scale`` without a
-    saved copy of ``conv(value)`` for the weight's gradient). A bf16 / fp16 ``value``
-    (autocast) is cast inside a checkpoint when autograd records the conv: the backward
-    recasts it instead of keeping a float32 copy of the map."""
+    saved copy of ``conv(value)`` for the weight's gradient). With ``recompute``, a bf16 /
+    fp16 ``value`` (autocast) is cast inside a checkpoint when autograd records the conv:
+    the backward recasts it instead of keeping a float32 copy of the map."""
 
-    def __init__(self, value: torch.Tensor, conv: nn.Conv2d) -> None:
-        self.value, self.conv = value, conv
+    def __init__(self, value: torch.Tensor, conv: nn.Conv2d, recompute: bool = True) -> None:
+        self.value, self.conv, self.recompute = value, conv, recompute
 
     def _apply(self, value: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
         w, b = self.conv.weight.float(), self.conv.bias
@@ -428,7 +429,7 @@ class LePEConv:
 
     def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         v = self.value
-        if (v.dtype != torch.float32 and torch.is_grad_enabled()
+        if (self.recompute and v.dtype != torch.float32 and torch.is_grad_enabled()
                 and (v.requires_grad or any(p.requires_grad for p in self.conv.parameters())
                      or (scale is not None and scale.requires_grad))
                 and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())):
@@ -877,13 +878,16 @@ class QuadTreeAttention(nn.Module):
             (forward and backward): ``None`` auto (on CUDA, when Triton imports), ``True``
             force (an error if they cannot run), ``False`` the PyTorch path.
             ``FLATTEN_MM_TRITON=0`` turns them off everywhere.
-        checkpoint_value_branchs: B, when training: the value branches (GroupNorm, act,
-            2x2 conv, GroupNorm, act, 1x1 conv per level) are recomputed in the backward
-            instead of keeping their inner maps (``torch.utils.checkpoint``; their inputs
-            and outputs, the value pyramid, are kept by the attention anyway): the same
-            outputs and gradients, about a level's value map less memory per branch, for
-            one more forward of the branches. With a backbone's ``with_cp`` the whole block
-            is recomputed already; ``False`` then saves that third pass.
+        recompute_values: B, when autograd records the attention: intermediate maps of
+            the value pyramid are recomputed in the backward instead of kept
+            (``torch.utils.checkpoint``): the value branches' inner maps (GroupNorm, act,
+            2x2 conv, GroupNorm, act per level; their inputs and outputs, the value
+            pyramid, are kept by the attention anyway) and, under bf16 / fp16 autocast, the
+            float32 copy of each value map that the LePE conv reads. The same outputs and
+            gradients, less memory for more backward launches (QuadTree-B-b0, batch 1,
+            224², kernels on, counted on CPU: fp32 2.6 MiB less saved, +3.5 % backward
+            launches). With a backbone's ``with_cp`` the block is recomputed already;
+            ``False`` then saves a third pass.
     """
 
     def __init__(self,
@@ -898,10 +902,10 @@ class QuadTreeAttention(nn.Module):
                  value_act: str = 'relu',
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                  use_triton: Optional[bool] = None,
-                 checkpoint_value_branchs: bool = True) -> None:
+                 recompute_values: bool = True) -> None:
         super().__init__()
         self.use_triton = _check_use_triton(use_triton)
-        self.checkpoint_value_branchs = bool(checkpoint_value_branchs)
+        self.recompute_values = bool(recompute_values)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
@@ -985,9 +989,9 @@ class QuadTreeAttention(nn.Module):
 
     def _value_branch(self, t: int, v: torch.Tensor) -> torch.Tensor:
         """B's value map of the next coarser level (``value_branchs[t]``; recomputed in the
-        backward when ``checkpoint_value_branchs`` and autograd records it)."""
+        backward when ``recompute_values`` and autograd records it)."""
         branch = self.value_branchs[t]
-        if (self.checkpoint_value_branchs and torch.is_grad_enabled()
+        if (self.recompute_values and torch.is_grad_enabled()
                 and (v.requires_grad or any(p.requires_grad for p in branch.parameters()))
                 and not (torch.jit.is_scripting() or torch.jit.is_tracing()
                          or torch.onnx.is_in_onnx_export())):
@@ -1028,7 +1032,8 @@ class QuadTreeAttention(nn.Module):
             if self.attn_type == 'B':
                 level_weights = torch.softmax(self.py_att.weight.float(), dim=0)
                 # evaluated when their level is merged (keeps one LePE map alive at a time)
-                lepes = [LePEConv(val, conv) for val, conv in zip(values, self.py_att.get_vs)]
+                lepes = [LePEConv(val, conv, self.recompute_values)
+                         for val, conv in zip(values, self.py_att.get_vs)]
             out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
                                           self.attn_type, level_weights, lepes,
                                           self.margin_recorder, self.chunk_elements,
