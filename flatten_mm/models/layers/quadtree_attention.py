@@ -315,6 +315,15 @@ def _weighted_rows_sum(weight: torch.Tensor, value: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- layout helpers
+def _recorded_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensors`` (one of them requires a gradient, in
+    grad mode) outside tracing, scripting and ONNX export: where the memory-saving autograd
+    paths below (``_AvgPool2x2``, checkpoints) apply."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not (torch.jit.is_scripting() or torch.jit.is_tracing()
+                     or torch.onnx.is_in_onnx_export()))
+
+
 class _AvgPool2x2(torch.autograd.Function):
     """``F.avg_pool2d(x, 2, 2)`` of an even-sided map whose backward needs only the shape:
     nothing is saved (the autograd node of ``avg_pool2d`` keeps its input alive, a whole
@@ -323,7 +332,7 @@ class _AvgPool2x2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.shape = x.shape
-        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
+        ctx.channels_last = not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last)
         return F.avg_pool2d(x, 2, 2)
 
@@ -341,9 +350,7 @@ class _AvgPool2x2(torch.autograd.Function):
 def _avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
     """2x2 average pooling of an even-sided ``(B, C, H, W)`` map (a pyramid level); with
     autograd, by ``_AvgPool2x2`` (saves nothing)."""
-    if (torch.is_grad_enabled() and x.requires_grad and x.shape[-2] % 2 == 0
-            and x.shape[-1] % 2 == 0
-            and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())):
+    if x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0 and _recorded_eagerly(x):
         return _AvgPool2x2.apply(x)
     return F.avg_pool2d(x, 2, 2)
 
@@ -429,10 +436,8 @@ class LePEConv:
 
     def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         v = self.value
-        if (self.recompute and v.dtype != torch.float32 and torch.is_grad_enabled()
-                and (v.requires_grad or any(p.requires_grad for p in self.conv.parameters())
-                     or (scale is not None and scale.requires_grad))
-                and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())):
+        if self.recompute and v.dtype != torch.float32 and _recorded_eagerly(
+                v, *self.conv.parameters(), *([scale] if scale is not None else [])):
             # (no random op: no RNG state to restore)
             return checkpoint(self._apply, v, scale, use_reentrant=False,
                               preserve_rng_state=False)
@@ -991,10 +996,7 @@ class QuadTreeAttention(nn.Module):
         """B's value map of the next coarser level (``value_branchs[t]``; recomputed in the
         backward when ``recompute_values`` and autograd records it)."""
         branch = self.value_branchs[t]
-        if (self.recompute_values and torch.is_grad_enabled()
-                and (v.requires_grad or any(p.requires_grad for p in branch.parameters()))
-                and not (torch.jit.is_scripting() or torch.jit.is_tracing()
-                         or torch.onnx.is_in_onnx_export())):
+        if self.recompute_values and _recorded_eagerly(v, *branch.parameters()):
             # (no random op in a branch: no RNG state to restore)
             return checkpoint(branch, v, use_reentrant=False, preserve_rng_state=False)
         return branch(v)
