@@ -234,6 +234,55 @@ def test_half_inputs_accumulate_in_float32(dtype, kind):
         assert ((x - r).abs() <= bound).all(), (name, ((x - r).abs() - bound).max().item())
 
 
+#: the kernels on parent lists (``parent_width``: each entry is a cell of a coarser grid
+#: that wide, whose 4 children are the candidates), as the core calls them
+PARENT_KERNELS = {
+    'scores': lambda a, src, cells, pw: qt.gathered_scores_triton(a, src[0], cells, pw),
+    'messages': lambda a, src, cells, pw: qt.gathered_messages_triton(a, src[0], cells, pw),
+    'final-b': lambda a, src, cells, pw: qt.final_level_b_triton(a, src[0], src[1], cells,
+                                                                 None, pw),
+    'final-b-scaled': lambda a, src, cells, pw: qt.final_level_b_triton(
+        a, src[0], src[1], cells, src[2].float(), pw),
+    'final-a': lambda a, src, cells, pw: qt.final_level_a_triton(a, src[0], src[1], cells,
+                                                                 src[2], pw),
+}
+
+
+@pytest.mark.parametrize('cells_dtype', [torch.int32, torch.int64])
+@pytest.mark.parametrize('kind', list(KINDS))
+def test_parent_lists_give_the_candidate_lists_results(kind, cells_dtype):
+    """Kernels handed parent cells (``(B, h, L, K / 4)`` of a 3 x 5 grid: odd, not square,
+    repeated cells, a strided view) derive their children themselves: output and every
+    gradient bit-identical to the same kernels on the expanded candidate lists
+    (``_child_candidates``), and within the fp32 bound of float64. A wrong child order or
+    row stride in the derivation changes the gathered rows."""
+    B, h, L, nf, d, Kp, hc, pw = 2, 2, 7, 4, 8, 3, 3, 5
+    M = 4 * hc * pw  # the finer grid: 6 x 10
+    cells = torch.randint(0, hc * pw, (B, h, L, 2 * Kp), generator=_gen(31))
+    cells = cells.to(cells_dtype)[..., ::2]
+    assert not cells.is_contiguous()
+    cand = qa._child_candidates(cells.long(), pw)
+    a, srcs, _, grad = _problem(B, h, L, nf, M, d, 4 * Kp, kind, seed=33, index=cand)
+    ours = _run(lambda a, s, i: PARENT_KERNELS[kind](a, s, cells, pw), a, srcs, None, grad,
+                torch.float32)
+    expanded = _run(KINDS[kind][0], a, srcs, cand, grad, torch.float32)
+    ref = _run(KINDS[kind][2], a, srcs, cand, grad, torch.float64)
+    mags = _terms(kind, ref, srcs, grad)
+    for x, e, r, m in zip(ours, expanded, ref, mags):
+        assert torch.equal(x, e)
+        assert _max_rel(x, r, m) < _FP32_BOUND
+
+
+def test_parent_lists_refused_when_the_grid_does_not_fit():
+    a, src, index = _small_level()  # (M = 6 key rows)
+    qt.gathered_scores_triton(a, src, index[..., :1] % 2, 2)  # (a 2 x 2 map of 2 x 1 cells)
+    with pytest.raises(ValueError, match='not a map of width 6'):
+        qt.gathered_scores_triton(a, src, index[..., :1], 3)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match='parent_width must be an int'):
+            qt.gathered_scores_triton(a, src, index[..., :1], bad)
+
+
 # --------------------------------------------------------------------------- the core
 def _pyramids(B, C, hw, levels, seed):
     gen = _gen(seed)
@@ -319,7 +368,8 @@ def test_b_training_saves_no_level_weights_or_int64_indices():
     """What a training forward of B (4 levels, level weights, LePE convs) keeps for the
     backward, with the kernels: no softmax weights ``(.., 4, 4Kp)`` of any level (the fused
     kernel recomputes them from its max / sum statistics), no int64 tensor (the top-k
-    selections carry no gradient; the candidate lists are int32), and no finer level's
+    selections carry no gradient; the index lists are int32) and no candidate list (the
+    kernels take the ``Kp`` parent cells, not their ``4Kp`` children), and no finer level's
     messages ``(B, h, N_i, d)`` other than views of the inputs (the kernel applies the level
     weight, whose gradient it forms from its per-row ``g . out``; the LePE conv has the
     weight folded in). The PyTorch path keeps all three, which this would catch."""
@@ -355,7 +405,11 @@ def test_b_training_saves_no_level_weights_or_int64_indices():
     (with_kernels, inputs), (pytorch_path, inputs_p) = saved(True), saved(False)
     assert not level_weights(with_kernels), [t.shape for t in level_weights(with_kernels)]
     assert not [t for t in with_kernels if t.dtype == torch.int64]
-    assert any(t.dtype == torch.int32 for t in with_kernels)  # the candidate lists
+    # the kernels keep the parent lists (Kp = a coarser level's top-k entries), never the
+    # 4x longer candidate lists
+    kept_indices = [t for t in with_kernels if t.dtype == torch.int32]
+    assert kept_indices and all(t.shape[-1] in topks for t in kept_indices), [
+        t.shape for t in kept_indices]
     assert not messages(with_kernels, inputs), [t.shape for t in messages(with_kernels,
                                                                             inputs)]
     assert len(level_weights(pytorch_path)) == levels - 1
@@ -669,13 +723,15 @@ def _tiny_args(tool, monkeypatch, *extra):
 
 def test_gpu_check_tool_quadtree_check_runs_interpreted(monkeypatch):
     """The tool's QuadTree check on CPU (interpreted kernels, a tiny 3-level case): the
-    four ops' outputs and gradients in fp32 and bf16 pass against float64, the core A / B
+    ops' outputs and gradients (the kernels on parent cells, as the core calls them; B's
+    final level also with its level weight) in fp32 and bf16 pass against float64, the core A / B
     comparison covers every result with no near tie at this size, and the op shapes are
     the case's."""
     tool = _load_tool()
     args = _tiny_args(tool, monkeypatch)
     names = {f'{op}.{r}' for op, rs in (('scores', 'out dq dk'), ('messages', 'out dw dv'),
                                         ('final_level_b', 'out dq dk dv'),
+                                        ('final_level_b_scaled', 'out dq dk dv dscale'),
                                         ('final_level_a', 'out dq dk dv dps'))
              for r in rs.split()}
     for dtype in ('fp32', 'bf16'):
@@ -709,17 +765,30 @@ def test_gpu_check_tool_quadtree_check_fails_a_broken_kernel(monkeypatch):
     args = _tiny_args(tool, monkeypatch)
     real = qt.final_level_b_triton
 
-    def broken(q, k, v, index, scale=None):
-        out = real(q, k, v, index, scale)
+    def broken(q, k, v, index, scale=None, parent_width=0):
+        out = real(q, k, v, index, scale, parent_width)
         return out + 1e-4 * out.detach().abs().max()
 
     monkeypatch.setattr(qt, 'final_level_b_triton', broken)
     rec = tool.check_quadtree('tiny', 'fp32', args)
+    assert not rec['errors']['final_level_b_scaled.out']['passed']
     assert not rec['passed']
     assert not rec['errors']['final_level_b.out']['passed']
     assert rec['errors']['scores.out']['passed'] and rec['errors']['final_level_b.dk']['passed']
     assert not rec['core']['B']['passed'] and rec['core']['A']['passed']
     assert not tool.check_quadtree('tiny', 'bf16', args)['errors']['final_level_b.out']['passed']
+
+    def wrong_dscale(q, k, v, index, scale=None, parent_width=0):
+        # the same output, a level-weight gradient off by 1e-3 of the output's largest value
+        out = real(q, k, v, index, scale, parent_width)
+        if scale is None:
+            return out
+        return out + (scale - scale.detach()) * 1e-3 * out.detach().abs().max()
+
+    monkeypatch.setattr(qt, 'final_level_b_triton', wrong_dscale)
+    errors = tool.check_quadtree('tiny', 'fp32', args)['errors']
+    assert not errors['final_level_b_scaled.dscale']['passed']
+    assert errors['final_level_b_scaled.out']['passed'] and errors['final_level_b.out']['passed']
 
 
 def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
@@ -728,10 +797,11 @@ def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
     launches compile to sm_90 cubins with Triton's bundled ptxas (not interpreted, empty
     kernel cache), registers and spills recorded, and the launch configs hold: at d = 32
     nothing spills; at d = 64 the scatter launches run 32 warps (``_gathered_warps``:
-    messages backward without spills, scores backward 92 B instead of the 260 B of 8
-    warps) and the fused final level's backward, scattering ``dk`` / ``dv`` in chunks of
+    messages backward 4 B instead of the 152 B of 8 warps, scores backward 140 B instead
+    of 260 B; with candidate lists instead of the parent lists the kernels take now, 0 /
+    100 B) and the fused final level's backward, scattering ``dk`` / ``dv`` in chunks of
     channels, spills less than half of what the four-tile version did (B 476 B, A 1172
-    B; now 212 / 228 B)."""
+    B; now 132 / 232 B)."""
     import json
     import subprocess
     import sys
@@ -759,7 +829,7 @@ def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
                 assert r['spill_store_bytes'] == 0, r
     for name in ('scores_backward', 'messages_backward'):
         assert recs[name]['options']['num_warps'] == 32
-    assert recs['messages_backward']['spill_store_bytes'] == 0
+    assert recs['messages_backward']['spill_store_bytes'] < 152 / 4
     assert recs['scores_backward']['spill_store_bytes'] < 260
     assert recs['final_level_b_backward']['constexprs']['CHUNK_D'] == 8
     assert recs['final_level_b_backward']['spill_store_bytes'] < 476 / 2
@@ -788,12 +858,12 @@ def test_gpu_check_tool_quadtree_compile_and_timing_paths(monkeypatch):
     assert rec['compile']['near_tie_tokens'] == 0 and 'skipped' not in rec['compile']
     assert set(rec['compile']['max_rel_vs_eager']) == {'out', 'gradients'}
     assert max(rec['compile']['max_rel_vs_eager'].values()) <= args.tol
-    assert set(rec['ms']) == {'scores', 'messages', 'final_level_b', 'final_level_a',
-                              'core_b'}
+    assert set(rec['ms']) == {'scores', 'messages', 'final_level_b', 'final_level_b_scaled',
+                              'final_level_a', 'core_b'}
     for t in rec['ms'].values():
         assert set(t) == {'kernels', 'pytorch'}
         assert all(set(v) == {'forward', 'forward_backward'} for v in t.values())
-    assert len(timed) == 5 * 2 * 2
+    assert len(timed) == 6 * 2 * 2
     rec = tool.check_quadtree('tiny', 'bf16', args)  # not the first dtype: ops only
     assert 'compile' not in rec and 'core_b' not in rec['ms'] and rec['passed']
     args.margin_threshold = 1e-3  # near ties: the output outside them, no gradients
@@ -852,7 +922,7 @@ def test_gpu_check_tool_main_writes_quadtree_records(tmp_path, monkeypatch, caps
     assert 'core-A=' in capsys.readouterr().out
     real = qt.gathered_messages_triton
     monkeypatch.setattr(qt, 'gathered_messages_triton',
-                        lambda w, v, i: real(w, v, i) * (1 + 1e-3))
+                        lambda w, v, i, pw=0: real(w, v, i, pw) * (1 + 1e-3))
     assert tool.main(argv) == 1
     report = json.loads((tmp_path / 'gpu_kernel_check.json').read_text())
     bad = {k for r in report['records'] for k, e in r['errors'].items() if not e['passed']}

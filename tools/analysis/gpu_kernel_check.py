@@ -376,9 +376,11 @@ def _qt_level_inputs(case: str, dtype: torch.dtype, args: argparse.Namespace) ->
     """The finest level of a QuadTree case as the core hands it to the ops: child queries
     ``(B, h, L, 4, d)`` grouped by parent (the core's strides, pre-scaled by ``d**-0.5``),
     keys / values ``(B, h, M, d)``, softmax weights ``(B, h, L, 4, 4K)``, output
-    gradients (all rounded to ``dtype``; ``K = topk``), and the candidates ``(B, h, L,
-    4K)``: the 4 children of ``topk`` distinct random parent-level keys per parent
-    (``_child_candidates``, as the core builds them)."""
+    gradients, B's level weight ``scale`` (0-d; all rounded to ``dtype``; ``K = topk``), the
+    ``topk`` distinct random parent-level cells of each parent (``cells``, int32, of a
+    grid ``cell_width`` wide: what the core hands the kernels) and their 4 children each,
+    the candidates ``(B, h, L, 4K)`` (``_child_candidates``: what the PyTorch path
+    takes)."""
     from flatten_mm.models.layers import quadtree_attention as qa
     side, C, h, _, topk = QT_CASES[case]
     B, d, ps = args.batch, C // h, side // 2
@@ -391,19 +393,25 @@ def _qt_level_inputs(case: str, dtype: torch.dtype, args: argparse.Namespace) ->
 
     prev_idx = torch.rand(B, h, L, L, device=dev, generator=gen).topk(topk, dim=-1).indices
     cand = qa._child_candidates(prev_idx, ps)
+    cell_width = ps
     q = (qa._group_children(rand(B, C, side, side), h) * d**-0.5).to(dtype)
     k = qa._to_heads(rand(B, C, side, side), h).to(dtype)
     v = qa._to_heads(rand(B, C, side, side), h).to(dtype)
     w = torch.softmax(rand(B, h, L, 4, 4 * topk), dim=-1).to(dtype)
     ps = torch.softmax(rand(B, h, L, topk), dim=-1).to(dtype)  # the coarser level's weights
-    return dict(q=q, k=k, v=v, w=w, ps=ps, cand=cand,
+    scale = (torch.rand((), device=dev, generator=gen) * 0.9 + 0.05).to(dtype)
+    return dict(q=q, k=k, v=v, w=w, ps=ps, cand=cand, cells=prev_idx.int(),
+                cell_width=cell_width, scale=scale,
                 g_scores=rand(B, h, L, 4, 4 * topk).to(dtype),
                 g_msg=rand(B, h, L, 4, d).to(dtype), batch=B, heads=h, head_dim=d, parents=L,
                 keys=M, candidates=4 * topk)
 
 
-def _qt_ops(cand: torch.Tensor) -> Dict:
-    """op -> (input names, output-gradient name, kernels fn, PyTorch path fn)."""
+def _qt_ops(cand: torch.Tensor, cells: torch.Tensor, cell_width: int) -> Dict:
+    """op -> (input names, output-gradient name, kernels fn, PyTorch path fn). The kernels
+    take the parent cells (``cells`` of a grid ``cell_width`` wide) and derive their
+    children as in the core; the PyTorch path takes the candidate rows ``cand``. The level
+    weight enters the kernel in float32 (as the core passes it)."""
     from flatten_mm.models.layers import quadtree_attention as qa
     from flatten_mm.models.layers import quadtree_attention_triton as qt
 
@@ -417,17 +425,25 @@ def _qt_ops(cand: torch.Tensor) -> Dict:
         w = (w * ps[:, :, :, None, :, None]).flatten(-2)
         return qa.gathered_messages(w, v, cand, use_triton=False)
 
+    pw = cell_width
     return {
         'scores': (('q', 'k'), 'g_scores',
-                   lambda q, k: qa.gathered_scores(q, k, cand, use_triton=True),
+                   lambda q, k: qa.gathered_scores(q, k, cells, use_triton=True,
+                                                   parent_width=pw),
                    lambda q, k: qa.gathered_scores(q, k, cand, use_triton=False)),
         'messages': (('w', 'v'), 'g_msg',
-                     lambda w, v: qa.gathered_messages(w, v, cand, use_triton=True),
+                     lambda w, v: qa.gathered_messages(w, v, cells, use_triton=True,
+                                                       parent_width=pw),
                      lambda w, v: qa.gathered_messages(w, v, cand, use_triton=False)),
         'final_level_b': (('q', 'k', 'v'), 'g_msg',
-                          lambda q, k, v: qt.final_level_b_triton(q, k, v, cand), final_torch),
+                          lambda q, k, v: qt.final_level_b_triton(q, k, v, cells, None, pw),
+                          final_torch),
+        'final_level_b_scaled': (
+            ('q', 'k', 'v', 'scale'), 'g_msg',
+            lambda q, k, v, s: qt.final_level_b_triton(q, k, v, cells, s.float(), pw),
+            lambda q, k, v, s: final_torch(q, k, v) * s),
         'final_level_a': (('q', 'k', 'v', 'ps'), 'g_msg',
-                          lambda q, k, v, ps: qt.final_level_a_triton(q, k, v, cand, ps),
+                          lambda q, k, v, ps: qt.final_level_a_triton(q, k, v, cells, ps, pw),
                           final_a_torch),
     }
 
@@ -606,7 +622,7 @@ def check_quadtree(case: str, dtype_name: str, args: argparse.Namespace) -> Dict
     side, C, h, S, topk = QT_CASES[case]
     dtype = DTYPES[dtype_name]
     x = _qt_level_inputs(case, dtype, args)
-    ops = _qt_ops(x['cand'])
+    ops = _qt_ops(x['cand'], x['cells'], x['cell_width'])
     rec = dict(kernel='quadtree', case=case, dtype=dtype_name, batch=x['batch'], side=side,
                channels=C, heads=h, head_dim=x['head_dim'], levels=S, topk=topk,
                parents=x['parents'], keys=x['keys'], candidates=x['candidates'], errors={},

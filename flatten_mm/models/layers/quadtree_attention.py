@@ -39,8 +39,10 @@ Implementation notes:
   Triton kernels (``quadtree_attention_triton``: no gathered key/value rows in memory,
   the key/value gradients by atomic scatter-add), and the final level as one fused
   kernel (scores + softmax (A: x prev_score) + messages, no ``(N, 4K)`` tensors), when Triton
-  imports; inference then takes the batched path with those kernels instead of the
-  chunked gathers. ``use_triton=False`` (operator argument, or
+  imports; the kernels take the ``K`` selected parent cells and derive their ``4K``
+  children (no candidate list for the final level, none kept for the backward);
+  inference then takes the batched path with those kernels instead of the chunked
+  gathers. ``use_triton=False`` (operator argument, or
   ``attn_cfg=dict(use_triton=False)`` in a backbone) or ``FLATTEN_MM_TRITON=0``
   (environment) selects the PyTorch path, which stays the reference and the CPU /
   float64 / export path.
@@ -174,13 +176,13 @@ def _qt_triton_gate(use_triton: Optional[bool], x: torch.Tensor) -> bool:
 
 
 def _use_qt_triton(use_triton: Optional[bool], a: torch.Tensor, src: torch.Tensor,
-                   index: torch.Tensor, scores: bool) -> bool:
+                   index: torch.Tensor, scores: bool, parent_width: int = 0) -> bool:
     """Whether ``gathered_scores`` / ``gathered_messages`` run the Triton kernel: the gate,
     then the kernel's input check (``use_triton=True``: ``ValueError`` saying why not)."""
     if not _qt_triton_gate(use_triton, a):
         return False
     from . import quadtree_attention_triton as qt_triton
-    why = qt_triton.check_inputs(a, src, index, scores)
+    why = qt_triton.check_inputs(a, src, index, scores, parent_width)
     if why is not None and use_triton:
         raise ValueError(f'use_triton=True but the QuadTree Triton kernels cannot take these '
                          f'inputs: {why}')
@@ -207,7 +209,7 @@ def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: in
 
 def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
                     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                    use_triton: Optional[bool] = None) -> torch.Tensor:
+                    use_triton: Optional[bool] = None, parent_width: int = 0) -> torch.Tensor:
     """Score kernel: ``out[b,j,l,f,k] = <query[b,j,l,f], key[b,j,index[b,j,l,k]]>``.
 
     The official ``score_computation`` with heads moved to dim 1 and the candidate list
@@ -216,17 +218,23 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
     Args:
         query: ``(B, h, L, F, d)`` child queries grouped by parent.
         key: ``(B, h, M, d)`` keys of the level.
-        index: ``(B, h, L, K)`` candidate key rows of each parent (long).
+        index: ``(B, h, L, K)`` candidate key rows of each parent (int64 / int32), or with
+            ``parent_width`` the ``(B, h, L, K / 4)`` cells of the coarser grid whose 4
+            children each are the candidates (``_child_candidates``' order).
         chunk_elements: bound on the gathered elements held at once (PyTorch path).
         use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` (force) or
             ``False`` (the PyTorch path), see ``_qt_triton_gate``.
+        parent_width: 0 (``index`` holds candidate rows), or the width of the coarser grid
+            (the kernels derive the candidates; the PyTorch path expands them first).
 
     Returns:
         ``(B, h, L, F, K)``.
     """
-    if _use_qt_triton(use_triton, query, key, index, scores=True):
+    if _use_qt_triton(use_triton, query, key, index, True, parent_width):
         from .quadtree_attention_triton import gathered_scores_triton
-        return gathered_scores_triton(query, key, index)
+        return gathered_scores_triton(query, key, index, parent_width)
+    if parent_width:
+        index = _child_candidates(index, parent_width)
     if key.dtype != query.dtype:  # (half keys reach here only if the kernel refused them)
         key = key.to(query.dtype)
     chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
@@ -273,7 +281,8 @@ def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: to
 
 def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
                       chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                      use_triton: Optional[bool] = None) -> torch.Tensor:
+                      use_triton: Optional[bool] = None,
+                      parent_width: int = 0) -> torch.Tensor:
     """Aggregation kernel: ``out[b,j,l,f] = sum_k weight[b,j,l,f,k] value[b,j,index[b,j,l,k]]``.
 
     The official ``value_aggregation`` for a candidate list shared by the ``F`` child
@@ -282,16 +291,20 @@ def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Te
     Args:
         weight: ``(B, h, L, F, K)`` attention weights.
         value: ``(B, h, M, d)`` values of the level.
-        index: ``(B, h, L, K)`` candidate rows (long).
+        index: ``(B, h, L, K)`` candidate rows (int64 / int32), or parent cells (see
+            ``gathered_scores``).
         chunk_elements: bound on the gathered elements held at once (PyTorch path).
         use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` or ``False``.
+        parent_width: as in ``gathered_scores``.
 
     Returns:
         ``(B, h, L, F, d)``.
     """
-    if _use_qt_triton(use_triton, weight, value, index, scores=False):
+    if _use_qt_triton(use_triton, weight, value, index, False, parent_width):
         from .quadtree_attention_triton import gathered_messages_triton
-        return gathered_messages_triton(weight, value, index)
+        return gathered_messages_triton(weight, value, index, parent_width)
+    if parent_width:
+        index = _child_candidates(index, parent_width)
     if value.dtype != weight.dtype:  # (as in gathered_scores)
         value = value.to(weight.dtype)
     if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
@@ -579,18 +592,26 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             continue
         q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
         if kernels and prev_idx.dtype != torch.int32:
-            # int32 candidate rows for the kernels (the ops save them for the backward:
-            # half the bytes of int64; the levels below inherit the dtype)
+            # int32 indices for the kernels (the ops save them for the backward: half the
+            # bytes of int64; the levels below inherit the dtype)
             prev_idx = prev_idx.int()
-        cand = _child_candidates(prev_idx, grid[1])  # (B, h, L, 4Kp)
+        pw = grid[1]
+        # the kernels take the parent cells (B, h, L, Kp) and derive their 4Kp children
+        # (a quarter of the index bytes read and kept for the backward, and no candidate
+        # list built when nothing else needs it); the PyTorch path takes the children
+        index, iw = (prev_idx, pw) if kernels else (_child_candidates(prev_idx, pw), 0)
+
+        def candidates() -> torch.Tensor:  # (B, h, L, 4Kp), for the top-k's gather
+            return _child_candidates(prev_idx, pw) if iw else index
+
         # (False when the level check said no: the same decision as the branch above)
         level_triton = use_triton if kernels else False
         # the fused kernel (scores + softmax (A: x prev_score) + messages, no (B, h, L, 4,
         # 4Kp) tensors; its backward recomputes the weights) runs the final level and,
         # when training, the other levels of B
         fused = (final or attn_type == 'B' and not inference) and kernels and _use_qt_triton(
-            level_triton, q, k, cand, scores=True) and _use_qt_triton(
-                level_triton, q, v, cand, scores=True)
+            level_triton, q, k, index, True, iw) and _use_qt_triton(
+                level_triton, q, v, index, True, iw)
         if fused:
             from . import quadtree_attention_triton as qt_triton
             if not final:
@@ -598,18 +619,19 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                 # from are computed without autograd (nothing saved) and dropped
                 with torch.no_grad():
                     attn = torch.softmax(
-                        gathered_scores(q, k, cand, chunk_elements, level_triton), dim=-1)
+                        gathered_scores(q, k, index, chunk_elements, level_triton, iw),
+                        dim=-1)
                 _record_margin(margin_recorder, i, attn, topks[i])
                 sel = attn.topk(topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
-                idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
+                idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
                 del attn, sel
             if attn_type == 'B':
                 # the level weight is applied in the kernel (its gradient from the
                 # backward's per-row g . out, no saved unweighted messages) and folded into
                 # the LePE conv
                 scale = level_weights[i] if level_weights is not None else None
-                msg = _children_to_raster(qt_triton.final_level_b_triton(q, k, v, cand, scale),
-                                          (hi, wi))
+                msg = _children_to_raster(
+                    qt_triton.final_level_b_triton(q, k, v, index, scale, iw), (hi, wi))
                 if scale is not None:
                     weighted.add(i)
                     if lepes is not None:
@@ -617,13 +639,13 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                         lepe_added.add(i)
             else:
                 msg = _children_to_raster(
-                    qt_triton.final_level_a_triton(q, k, v, cand, prev_score), (hi, wi))
+                    qt_triton.final_level_a_triton(q, k, v, index, prev_score, iw), (hi, wi))
             messages.append(msg)
             if not final:
                 prev_idx, prev_score = _children_to_raster(idx_i, (hi, wi)), None
             grid = (hi, wi)
             continue
-        scores = gathered_scores(q, k, cand, chunk_elements, level_triton)  # (B, h, L, 4, 4Kp)
+        scores = gathered_scores(q, k, index, chunk_elements, level_triton, iw)  # (.., 4, 4Kp)
         if attn_type == 'B':
             attn = torch.softmax(scores, dim=-1)
         else:
@@ -637,13 +659,13 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             # (B: the indices only, selected on the detached weights, as at level 0)
             score_i, sel = (attn.detach() if attn_type == 'B' else attn).topk(
                 Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
-            idx_i = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
+            idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
             prev_idx = _children_to_raster(idx_i, (hi, wi))
             # (the finer levels of B do not use the scores of their parents)
             prev_score = _children_to_raster(score_i, (hi, wi)) if attn_type == 'A' else None
             if attn_type == 'A':
                 weights = attn.scatter(-1, sel, 0.)
-        msg = gathered_messages(weights, v, cand, chunk_elements, level_triton)  # (.., 4, d)
+        msg = gathered_messages(weights, v, index, chunk_elements, level_triton, iw)
         messages.append(_children_to_raster(msg, (hi, wi)))
         grid = (hi, wi)
 

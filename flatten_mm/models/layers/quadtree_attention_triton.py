@@ -24,6 +24,10 @@ it computes: ``P = Q . G^T``, ``Q = P G`` (``G = src[cand]``, the gathered rows,
 in registers) and / or ``dsrc += P^T Q`` by ``tl.atomic_add`` into a float32 buffer.
 One program handles one (batch, head) pair and a block of ``BLOCK_P`` parents: it loads
 their candidate lists and gathered rows once and treats the ``F`` children in a static loop.
+Every op also takes, instead of ``cand``, the ``K / 4`` cells of the coarser level that a
+parent's candidates are the children of (``parent_width``: that grid's width; what
+``quadtree_attention_core`` passes): the kernels derive the candidate rows in registers
+(``_candidate_rows``), so the ``(B, h, L, K)`` list is neither written nor kept.
 Everything is accumulated in float32 for float32 / bfloat16 / float16 inputs; no ``tl.dot``
 (no TF32): the products are exact float32 multiply-adds, only the summation order differs
 from the PyTorch path. The scatter-add makes the gradient of ``src`` non-deterministic in
@@ -67,8 +71,25 @@ _FINAL_CHUNK_D = 8
 
 
 @triton.jit
+def _candidate_rows(cand_ptr, b, hh, par64, kk, pk_mask, scb, sch, scl, sck, pw,
+                    PARENTS: tl.constexpr):
+    """The candidate key rows ``(BLOCK_P, BLOCK_K)`` (int64) of the program's parents, read
+    from candidate lists, or (``PARENTS``) derived from parent lists: candidate ``4 j + c``
+    is child ``c`` (row offset ``c // 2``, column offset ``c % 2``) of the cell ``p =
+    index[l, j]`` of the coarser grid of width ``pw``, i.e. row ``2 (p + (p // pw) pw) +
+    (c // 2) 2 pw + c % 2`` of the finer one (``_child_candidates``' order): a quarter of
+    the index bytes read, and no candidate list written or kept for the backward."""
+    base = cand_ptr + b * scb + hh * sch + par64[:, None] * scl
+    if PARENTS:
+        p = tl.load(base + (kk // 4)[None, :] * sck, mask=pk_mask, other=0).to(tl.int64)
+        c = kk % 4
+        return 2 * (p + (p // pw) * pw) + ((c // 2) * (2 * pw) + c % 2)[None, :]
+    return tl.load(base + kk[None, :] * sck, mask=pk_mask, other=0).to(tl.int64)
+
+
+@triton.jit
 def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
-                        H, L, K, D,
+                        H, L, K, D, pw,
                         spb, sph, spl, spf, spk,
                         sqb, sqh, sql, sqf, sqd,
                         ssb, ssh, ssm, ssd,
@@ -77,7 +98,7 @@ def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
                         sdb, sdh, sdm,
                         F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_D: tl.constexpr, OUT_P: tl.constexpr, OUT_Q: tl.constexpr,
-                        SCATTER: tl.constexpr):
+                        SCATTER: tl.constexpr, PARENTS: tl.constexpr):
     """One (batch, head) pair (``program_id(1)``) and ``BLOCK_P`` parents
     (``program_id(0)``).
 
@@ -85,6 +106,8 @@ def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
     ``OUT_Q``: ``out[l, f] = sum_k P[l, f, k] src[cand[l, k]]`` (shaped like ``Q``).
     ``SCATTER``: ``dsrc[cand[l, k]] += sum_f P[l, f, k] Q[l, f]`` (float32, atomic;
     ``dsrc`` contiguous in its last dim).
+    ``PARENTS``: ``cand`` holds ``K / 4`` parent cells of the coarser grid of width ``pw``
+    per parent, whose children are the candidates (``_candidate_rows``).
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -100,9 +123,9 @@ def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
     par64 = par.to(tl.int64)
 
     # the candidate rows of the parents: loaded once, shared by the F children
-    cand = tl.load(cand_ptr + b * scb + hh * sch + par64[:, None] * scl + kk[None, :] * sck,
-                   mask=pk_mask, other=0)
-    src_off = cand.to(tl.int64)[:, :, None] * ssm + dd[None, None, :] * ssd  # (BP, BK, BD)
+    cand = _candidate_rows(cand_ptr, b, hh, par64, kk, pk_mask, scb, sch, scl, sck, pw,
+                           PARENTS)
+    src_off = cand[:, :, None] * ssm + dd[None, None, :] * ssd  # (BP, BK, BD)
     if OUT_P or OUT_Q:
         g = tl.load(src_ptr + b * ssb + hh * ssh + src_off, mask=pkd_mask,
                     other=0.).to(tl.float32)
@@ -128,14 +151,15 @@ def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
             qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
             acc += pf[:, :, None] * qf[:, None, :]
     if SCATTER:
-        d_off = cand.to(tl.int64)[:, :, None] * sdm + dd[None, None, :]
+        d_off = cand[:, :, None] * sdm + dd[None, None, :]
         tl.atomic_add(dsrc_ptr + b * sdb + hh * sdh + d_off, acc, mask=pkd_mask)
 
 
 @triton.jit
-def _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D,
+def _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, pw,
                  skb, skh, skm, skd, svb, svh, svm, svd, scb, sch, scl, sck,
-                 BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PARENTS: tl.constexpr):
     """The program's (batch, head) pair and parents, their masks, and the candidate
     key / value rows of those parents gathered into float32 registers (shared by the
     fused final level's forward and backward)."""
@@ -152,8 +176,8 @@ def _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D,
     pd_mask = pmask[:, None] & (dd < D)[None, :]
     pkd_mask = pk_mask[:, :, None] & (dd < D)[None, None, :]
     par64 = par.to(tl.int64)
-    cand = tl.load(cand_ptr + b * scb + hh * sch + par64[:, None] * scl + kk[None, :] * sck,
-                   mask=pk_mask, other=0).to(tl.int64)
+    cand = _candidate_rows(cand_ptr, b, hh, par64, kk, pk_mask, scb, sch, scl, sck, pw,
+                           PARENTS)
     kg = tl.load(k_ptr + b * skb + hh * skh + cand[:, :, None] * skm + dd[None, None, :] * skd,
                  mask=pkd_mask, other=0.).to(tl.float32)
     vg = tl.load(v_ptr + b * svb + hh * svh + cand[:, :, None] * svm + dd[None, None, :] * svd,
@@ -185,7 +209,7 @@ def _group_softmax(sc, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, scale_ptr, out_ptr, stats_ptr,
-                  H, L, K, D,
+                  H, L, K, D, pw,
                   sqb, sqh, sql, sqf, sqd,
                   skb, skh, skm, skd,
                   svb, svh, svm, svd,
@@ -193,7 +217,8 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, scale_ptr, out_ptr, sta
                   spb, sph, spl, spk,
                   sob, soh, sol, sof, sod,
                   F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr, SCALED: tl.constexpr):
+                  BLOCK_D: tl.constexpr, GROUPED: tl.constexpr, SCALED: tl.constexpr,
+                  PARENTS: tl.constexpr):
     """The final level fused for ``BLOCK_P`` parents of one (batch, head) pair; the
     ``K`` candidates of a parent fit one tile, so the softmax is exact in registers (no
     scores or weights written).
@@ -212,8 +237,9 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, scale_ptr, out_ptr, sta
     ``SCALED`` (B): ``out`` is multiplied by the float32 scalar at ``scale_ptr`` (B's level
     weight: no unscaled copy of the messages has to be kept for its gradient)."""
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
-     vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
-                        svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
+     vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, pw, skb, skh, skm, skd, svb,
+                        svh, svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D,
+                        PARENTS)
     if SCALED:
         scale = tl.load(scale_ptr).to(tl.float32)
     q_base = q_ptr + b * sqb + hh * sqh + par64[:, None] * sql + dd[None, :] * sqd
@@ -243,7 +269,7 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, scale_ptr, out_ptr, sta
 
 @triton.jit
 def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, scale_ptr, g_ptr, dq_ptr,
-                  dk_ptr, dv_ptr, dps_ptr, dscale_ptr, H, L, K, D, M,
+                  dk_ptr, dv_ptr, dps_ptr, dscale_ptr, H, L, K, D, M, pw,
                   sqb, sqh, sql, sqf, sqd,
                   skb, skh, skm, skd,
                   svb, svh, svm, svd,
@@ -252,7 +278,7 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, scale_ptr, g
                   sgb, sgh, sgl, sgf, sgd,
                   F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, GROUPED: tl.constexpr,
-                  SCALED: tl.constexpr):
+                  SCALED: tl.constexpr, PARENTS: tl.constexpr):
     """Backward of ``_qt_final_fwd``: ``dq`` (contiguous, input dtype) and float32 atomic
     scatter-adds into ``dk`` / ``dv`` (contiguous ``(B, h, M, d)``)::
 
@@ -275,8 +301,9 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, scale_ptr, g
     float32; their sum is the scale's gradient)."""
     tl.static_assert((F & (F - 1)) == 0, 'F (children per parent) must be a power of 2')
     (bh, b, hh, par64, dd, pmask, kmask, pk_mask, pd_mask, pkd_mask, cand, kg,
-     vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, skb, skh, skm, skd, svb, svh,
-                        svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D)
+     vg) = _final_tiles(k_ptr, v_ptr, cand_ptr, H, L, K, D, pw, skb, skh, skm, skd, svb,
+                        svh, svm, svd, scb, sch, scl, sck, BLOCK_P, BLOCK_K, BLOCK_D,
+                        PARENTS)
     ff = tl.arange(0, F)
     ds_all = tl.zeros((BLOCK_P, BLOCK_K, F), tl.float32)  # ds of child f at [:, :, f]
     w_all = tl.zeros((BLOCK_P, BLOCK_K, F), tl.float32)
@@ -369,7 +396,9 @@ def _gathered_warps(bp: int, bk: int, bd: int, scatter: bool) -> int:
     threads vs 64 x 1024), so 32 warps also keeps 4x more warps resident to hide the
     gathers' latency. Not measured on a GPU yet (time: ``gpu_kernel_check.py``). At d = 32
     (no spills at 8 warps, 32 warps would add 88-116 B) and with several parents per
-    program (d = 64, 4K = 32: scores backward 264 -> 712 B at 32 warps) the rule stays."""
+    program (d = 64, 4K = 32: scores backward 264 -> 712 B at 32 warps) the rule stays.
+    On parent cells (``PARENTS``, what the core launches since 2026-12-02), 32 warps, d =
+    64: scores / messages backward fp32 140 / 4 B, bf16 8 / 16 B."""
     if scatter and bp == 1 and bd >= 64:
         return 32
     return 4 if bp * bk * bd <= 4096 else 8
@@ -383,8 +412,9 @@ def tile_fits(num_candidates: int, head_dim: int) -> bool:
 
 def _launch(P: torch.Tensor, Q: torch.Tensor, src: torch.Tensor, cand: torch.Tensor,
             out: Optional[torch.Tensor], dsrc: Optional[torch.Tensor], out_p: bool,
-            out_q: bool) -> None:
-    """One launch of ``_qt_gathered_kernel`` (see its docstring for the flags)."""
+            out_q: bool, parent_width: int = 0) -> None:
+    """One launch of ``_qt_gathered_kernel`` (see its docstring for the flags;
+    ``parent_width > 0``: ``cand`` holds parent cells of a grid that wide)."""
     B, h, L, nf, K = P.shape
     d = Q.shape[-1]
     bp, bk, bd = _blocks(K, d)
@@ -392,10 +422,11 @@ def _launch(P: torch.Tensor, Q: torch.Tensor, src: torch.Tensor, cand: torch.Ten
     ds = dsrc if dsrc is not None else src
     ds_strides = dsrc.stride()[:3] if dsrc is not None else (0, 0, 0)
     torch.library.wrap_triton(_qt_gathered_kernel)[(triton.cdiv(L, bp), B * h)](
-        P, Q, src, cand, o, ds, h, L, K, d, *P.stride(), *Q.stride(), *src.stride(),
-        *cand.stride(), *o.stride(), *ds_strides,
+        P, Q, src, cand, o, ds, h, L, K, d, parent_width, *P.stride(), *Q.stride(),
+        *src.stride(), *cand.stride(), *o.stride(), *ds_strides,
         F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, OUT_P=out_p, OUT_Q=out_q,
-        SCATTER=dsrc is not None, num_warps=_gathered_warps(bp, bk, bd, dsrc is not None))
+        SCATTER=dsrc is not None, PARENTS=parent_width > 0,
+        num_warps=_gathered_warps(bp, bk, bd, dsrc is not None))
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -421,7 +452,8 @@ def _signature(fn, const: dict, io: str, fp32_ptrs: Tuple[str, ...]) -> Tuple[di
 def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     """What the launches of the ops compile (scores / messages, forward / backward, and the
     fused final level's two kernels for variant B, with its level weight as the released
-    models have it, and for variant A): ``(name, kernel,
+    models have it, and for variant A; all with the parent lists the core passes): ``(name,
+    kernel,
     signature, constexprs, options)`` each, for ahead-of-time compilation without a GPU
     (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``). Needs
     the kernels compiled, not interpreted."""
@@ -432,7 +464,7 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     specs = []
     for name, out_p, out_q, scatter in _MODES:
         const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, OUT_P=out_p, OUT_Q=out_q,
-                     SCATTER=scatter)
+                     SCATTER=scatter, PARENTS=True)
         sig, cst = _signature(_qt_gathered_kernel, const, io,
                               ('dsrc_ptr', ) if scatter else ())
         options = dict(num_warps=_gathered_warps(bp, bk, bd, scatter))
@@ -440,7 +472,7 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     bp, bk, bd, warps = _final_blocks(num_candidates, head_dim)
     for variant in 'ba':
         const = dict(F=4, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, GROUPED=variant == 'a',
-                     SCALED=variant == 'b')
+                     SCALED=variant == 'b', PARENTS=True)
         for name, fn, fp32, extra in (
                 (f'final_level_{variant}', _qt_final_fwd, ('stats_ptr', 'scale_ptr'), {}),
                 (f'final_level_{variant}_backward', _qt_final_bwd,
@@ -452,21 +484,29 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
 
 
 def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
-                 scores: bool) -> Optional[str]:
+                 scores: bool, parent_width: int = 0) -> Optional[str]:
     """Why the kernels cannot take these inputs (``None`` if they can).
 
     Args:
         a: ``(B, h, L, F, d)`` queries (``scores``) or ``(B, h, L, F, K)`` weights.
         src: ``(B, h, M, d)`` keys or values.
-        index: ``(B, h, L, K)`` candidate rows.
+        index: ``(B, h, L, K)`` candidate rows, or with ``parent_width``, ``(B, h, L, K /
+            4)`` parent cells of the coarser grid, whose 4 children each are the candidates.
         scores: whether this is the score kernel (else the message kernel).
+        parent_width: 0 (``index`` holds candidate rows), or the width of the coarser grid
+            whose cells ``index`` holds (the level's map is twice as wide).
     """
     if a.dim() != 5 or src.dim() != 4 or index.dim() != 4:
         return (f'expected a 5-d, src 4-d and index 4-d, got {tuple(a.shape)}, '
                 f'{tuple(src.shape)}, {tuple(index.shape)}')
     B, h, L, nf, X = a.shape
     M, d = src.shape[2:]
-    K = index.shape[-1]
+    if not isinstance(parent_width, int) or isinstance(parent_width, bool) or parent_width < 0:
+        return f'parent_width must be an int >= 0, got {parent_width!r}'
+    if parent_width and M % (4 * parent_width):
+        return (f'{M} key rows are not a map of width {2 * parent_width} and even height '
+                f'(twice the parent grid of width {parent_width})')
+    K = index.shape[-1] * (4 if parent_width else 1)
     if src.shape[:2] != (B, h) or index.shape[:3] != (B, h, L):
         return (f'shapes do not match: a {tuple(a.shape)}, src {tuple(src.shape)}, '
                 f'index {tuple(index.shape)}')
@@ -492,19 +532,25 @@ def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
 # custom ops: scores
 
 
+def _num_candidates(index: torch.Tensor, parent_width: int) -> int:
+    """Candidates per parent: ``index``'s last dim, 4x that for parent lists."""
+    return index.shape[-1] * (4 if parent_width else 1)
+
+
 @torch.library.triton_op('flatten_mm::qt_gathered_scores', mutates_args=())
-def _scores_op(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _scores_op(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
+               parent_width: int = 0) -> torch.Tensor:
     B, h, L, nf, _ = query.shape
-    K = index.shape[-1]
-    out = query.new_empty((B, h, L, nf, K))
-    _launch(out, query, key, index, out, None, out_p=True, out_q=False)
+    out = query.new_empty((B, h, L, nf, _num_candidates(index, parent_width)))
+    _launch(out, query, key, index, out, None, out_p=True, out_q=False,
+            parent_width=parent_width)
     return out
 
 
 @_scores_op.register_fake
-def _(query, key, index):
+def _(query, key, index, parent_width=0):
     B, h, L, nf, _ = query.shape
-    return query.new_empty((B, h, L, nf, index.shape[-1]))
+    return query.new_empty((B, h, L, nf, _num_candidates(index, parent_width)))
 
 
 def _grad_buffers(a: torch.Tensor, src: torch.Tensor, need_a: bool,
@@ -518,7 +564,7 @@ def _grad_buffers(a: torch.Tensor, src: torch.Tensor, need_a: bool,
     return da, dsrc
 
 
-def _gathered_backward(grad, a, src, index, need_a, need_src, messages: bool):
+def _gathered_backward(grad, a, src, index, parent_width, need_a, need_src, messages: bool):
     """Shared body of both backward ops: the gradients of ``a`` (the weights of
     ``messages``, else the queries of the scores) and of ``src`` (values / keys, by the
     fp32 scatter-add)."""
@@ -528,38 +574,42 @@ def _gathered_backward(grad, a, src, index, need_a, need_src, messages: bool):
     if need_a or need_src:
         if messages:  # (P = weight, Q = grad) -> dweight, dvalue
             _launch(a, grad, src, index, da if need_a else None, dsrc32, out_p=need_a,
-                    out_q=False)
+                    out_q=False, parent_width=parent_width)
         else:  # scores: (P = grad, Q = query) -> dquery, dkey
             _launch(grad, a, src, index, da if need_a else None, dsrc32, out_p=False,
-                    out_q=need_a)
+                    out_q=need_a, parent_width=parent_width)
     dsrc = dsrc32.to(src.dtype) if need_src else src.new_empty((0, ))
     return da, dsrc
 
 
 def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    """Setup of a gathered op ``(a, src, index, parent_width)``."""
+    ctx.save_for_backward(*inputs[:3])
+    ctx.parent_width = inputs[3]
 
 
 def _autograd_backward(backward_op):
-    """The ``register_autograd`` backward of a gathered op ``(a, src, index)``."""
+    """The ``register_autograd`` backward of a gathered op ``(a, src, index,
+    parent_width)``."""
     def backward(ctx, grad):
         a, src, index = ctx.saved_tensors
         need_a, need_src = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        da, dsrc = backward_op(grad, a, src, index, need_a, need_src)
-        return (da if need_a else None), (dsrc if need_src else None), None
+        da, dsrc = backward_op(grad, a, src, index, ctx.parent_width, need_a, need_src)
+        return (da if need_a else None), (dsrc if need_src else None), None, None
     return backward
 
 
 @torch.library.triton_op('flatten_mm::qt_gathered_scores_backward', mutates_args=())
 def _scores_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                        index: torch.Tensor, need_query: bool,
+                        index: torch.Tensor, parent_width: int, need_query: bool,
                         need_key: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dquery, dkey)``; an empty tensor stands for a gradient that is not needed."""
-    return _gathered_backward(grad, query, key, index, need_query, need_key, messages=False)
+    return _gathered_backward(grad, query, key, index, parent_width, need_query, need_key,
+                              messages=False)
 
 
 @_scores_backward_op.register_fake
-def _(grad, query, key, index, need_query, need_key):
+def _(grad, query, key, index, parent_width, need_query, need_key):
     return _grad_buffers(query, key, need_query, need_key)
 
 
@@ -573,30 +623,32 @@ _scores_op.register_autograd(
 
 
 @torch.library.triton_op('flatten_mm::qt_gathered_messages', mutates_args=())
-def _messages_op(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _messages_op(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
+                 parent_width: int = 0) -> torch.Tensor:
     B, h, L, nf, _ = weight.shape
     out = weight.new_empty((B, h, L, nf, value.shape[-1]))
-    _launch(weight, out, value, index, out, None, out_p=False, out_q=True)
+    _launch(weight, out, value, index, out, None, out_p=False, out_q=True,
+            parent_width=parent_width)
     return out
 
 
 @_messages_op.register_fake
-def _(weight, value, index):
+def _(weight, value, index, parent_width=0):
     B, h, L, nf, _ = weight.shape
     return weight.new_empty((B, h, L, nf, value.shape[-1]))
 
 
 @torch.library.triton_op('flatten_mm::qt_gathered_messages_backward', mutates_args=())
 def _messages_backward_op(grad: torch.Tensor, weight: torch.Tensor, value: torch.Tensor,
-                          index: torch.Tensor, need_weight: bool,
+                          index: torch.Tensor, parent_width: int, need_weight: bool,
                           need_value: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(dweight, dvalue)``; an empty tensor stands for a gradient that is not needed."""
-    return _gathered_backward(grad, weight, value, index, need_weight, need_value,
-                              messages=True)
+    return _gathered_backward(grad, weight, value, index, parent_width, need_weight,
+                              need_value, messages=True)
 
 
 @_messages_backward_op.register_fake
-def _(grad, weight, value, index, need_weight, need_value):
+def _(grad, weight, value, index, parent_width, need_weight, need_value):
     return _grad_buffers(weight, value, need_weight, need_value)
 
 
@@ -623,7 +675,8 @@ def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
     404 / 1488 B, of 4 216 / 124 B (but 16-byte pieces of a 32-byte sector per atomic);
     16 warps with chunks of 8: 60 / 224 B, 32 warps: 60 / 164 B (with 64 registers per
     thread, one program per SM); 8 warps stay, chunks of 8 (one 32-byte sector per
-    candidate row and chunk). Not timed on a GPU."""
+    candidate row and chunk). On parent cells (``PARENTS``, 2026-12-02) at d = 64, fp32 /
+    bf16: B 132 / 124 B, A 232 / 228 B; nothing at d = 32. Not timed on a GPU."""
     _, bk, bd = _blocks(K, d)
     bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (2 * bk * bd)))
     return bp, bk, bd, 4 if bp * bk * bd <= 2048 else 8
@@ -634,12 +687,13 @@ def _final_chunk_d(block_d: int) -> int:
     return min(block_d, _FINAL_CHUNK_D)
 
 
-def _final_forward(query, key, value, index, prev_score, scale=None):
+def _final_forward(query, key, value, index, prev_score, scale=None, parent_width=0):
     """``(out, stats)`` of ``_qt_final_fwd``: variant B when ``prev_score`` is ``None``
     (``stats`` ``(B, h, L, F, 2)`` float32; ``out`` times the float32 scalar ``scale`` if
-    given), else variant A (``stats`` empty)."""
+    given), else variant A (``stats`` empty); ``parent_width > 0``: ``index`` holds
+    parent cells."""
     B, h, L, nf, d = query.shape
-    K = index.shape[-1]
+    K = _num_candidates(index, parent_width)
     bp, bk, bd, warps = _final_blocks(K, d)
     grouped = prev_score is not None
     out = query.new_empty((B, h, L, nf, d))
@@ -647,18 +701,20 @@ def _final_forward(query, key, value, index, prev_score, scale=None):
     ps = prev_score if grouped else query  # (unused pointers for B / without scale)
     sc = scale if scale is not None else query
     torch.library.wrap_triton(_qt_final_fwd)[(triton.cdiv(L, bp), B * h)](
-        query, key, value, index, ps, sc, out, stats, h, L, K, d, *query.stride(),
-        *key.stride(), *value.stride(), *index.stride(),
+        query, key, value, index, ps, sc, out, stats, h, L, K, d, parent_width,
+        *query.stride(), *key.stride(), *value.stride(), *index.stride(),
         *(ps.stride()[:4] if grouped else (0, ) * 4), *out.stride(), F=nf, BLOCK_P=bp,
-        BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped, SCALED=scale is not None, num_warps=warps)
+        BLOCK_K=bk, BLOCK_D=bd, GROUPED=grouped, SCALED=scale is not None,
+        PARENTS=parent_width > 0, num_warps=warps)
     return out, stats
 
 
-def _final_backward_launch(grad, query, key, value, index, stats, prev_score, scale=None):
+def _final_backward_launch(grad, query, key, value, index, stats, prev_score, scale=None,
+                           parent_width=0):
     """``(dq, dk, dv, dprev_score, dscale)`` by ``_qt_final_bwd`` (``dprev_score`` empty
     for B, ``dscale`` empty without ``scale``)."""
     B, h, L, nf, d = query.shape
-    M, K = key.shape[2], index.shape[-1]
+    M, K = key.shape[2], _num_candidates(index, parent_width)
     bp, bk, bd, warps = _final_blocks(K, d)
     grouped = prev_score is not None
     dq = torch.empty((B, h, L, nf, d), dtype=query.dtype, device=query.device)
@@ -674,10 +730,10 @@ def _final_backward_launch(grad, query, key, value, index, stats, prev_score, sc
                        device=query.device)
     torch.library.wrap_triton(_qt_final_bwd)[(triton.cdiv(L, bp), B * h)](
         query, key, value, index, stats, ps, sc, grad, dq, dk, dv, dps, rows, h, L, K, d, M,
-        *query.stride(), *key.stride(), *value.stride(), *index.stride(),
+        parent_width, *query.stride(), *key.stride(), *value.stride(), *index.stride(),
         *(ps.stride()[:4] if grouped else (0, ) * 4), *grad.stride(),
         F=nf, BLOCK_P=bp, BLOCK_K=bk, BLOCK_D=bd, CHUNK_D=_final_chunk_d(bd), GROUPED=grouped,
-        SCALED=scaled, num_warps=warps)
+        SCALED=scaled, PARENTS=parent_width > 0, num_warps=warps)
     dscale = rows.sum().reshape(scale.shape).to(scale.dtype) if scaled else rows
     return dq, dk.to(key.dtype), dv.to(value.dtype), dps, dscale
 
@@ -689,13 +745,13 @@ def _qkv_grads_fake(query, key, value):
 
 @torch.library.triton_op('flatten_mm::qt_final_level_b', mutates_args=())
 def _final_b_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                index: torch.Tensor, scale: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _final_forward(query, key, value, index, None, scale)
+                index: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                parent_width: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _final_forward(query, key, value, index, None, scale, parent_width)
 
 
 @_final_b_op.register_fake
-def _(query, key, value, index, scale=None):
+def _(query, key, value, index, scale=None, parent_width=0):
     return (query.new_empty(query.shape),
             query.new_empty((*query.shape[:4], 2), dtype=torch.float32))
 
@@ -703,33 +759,34 @@ def _(query, key, value, index, scale=None):
 @torch.library.triton_op('flatten_mm::qt_final_level_b_backward', mutates_args=())
 def _final_b_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, index: torch.Tensor, stats: torch.Tensor,
-                         scale: Optional[torch.Tensor] = None
+                         scale: Optional[torch.Tensor] = None, parent_width: int = 0
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dquery, dkey, dvalue, dscale)`` (``dscale`` empty without ``scale``)."""
     dq, dk, dv, _, dscale = _final_backward_launch(grad, query, key, value, index, stats,
-                                                   None, scale)
+                                                   None, scale, parent_width)
     return dq, dk, dv, dscale
 
 
 @_final_b_backward_op.register_fake
-def _(grad, query, key, value, index, stats, scale=None):
+def _(grad, query, key, value, index, stats, scale=None, parent_width=0):
     return _qkv_grads_fake(query, key, value) + (
         scale.new_empty(scale.shape) if scale is not None else
         query.new_empty((0, ), dtype=torch.float32), )
 
 
 def _final_b_setup(ctx, inputs, output):
-    query, key, value, index, scale = inputs
+    query, key, value, index, scale, parent_width = inputs
     _, stats = output
     ctx.save_for_backward(query, key, value, index, stats, scale)
+    ctx.parent_width = parent_width
     ctx.mark_non_differentiable(stats)
 
 
 def _final_b_backward(ctx, grad_out, grad_stats):
     query, key, value, index, stats, scale = ctx.saved_tensors
     dq, dk, dv, dscale = torch.ops.flatten_mm.qt_final_level_b_backward(
-        grad_out, query, key, value, index, stats, scale)
-    return dq, dk, dv, None, dscale if scale is not None else None
+        grad_out, query, key, value, index, stats, scale, ctx.parent_width)
+    return dq, dk, dv, None, dscale if scale is not None else None, None
 
 
 _final_b_op.register_autograd(_final_b_backward, setup_context=_final_b_setup)
@@ -737,38 +794,46 @@ _final_b_op.register_autograd(_final_b_backward, setup_context=_final_b_setup)
 
 @torch.library.triton_op('flatten_mm::qt_final_level_a', mutates_args=())
 def _final_a_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                index: torch.Tensor, prev_score: torch.Tensor) -> torch.Tensor:
-    return _final_forward(query, key, value, index, prev_score)[0]
+                index: torch.Tensor, prev_score: torch.Tensor,
+                parent_width: int = 0) -> torch.Tensor:
+    return _final_forward(query, key, value, index, prev_score, None, parent_width)[0]
 
 
 @_final_a_op.register_fake
-def _(query, key, value, index, prev_score):
+def _(query, key, value, index, prev_score, parent_width=0):
     return query.new_empty(query.shape)
 
 
 @torch.library.triton_op('flatten_mm::qt_final_level_a_backward', mutates_args=())
 def _final_a_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         value: torch.Tensor, index: torch.Tensor, prev_score: torch.Tensor
+                         value: torch.Tensor, index: torch.Tensor, prev_score: torch.Tensor,
+                         parent_width: int = 0
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dquery, dkey, dvalue, dprev_score)`` (all contiguous)."""
     stats = query.new_empty((0, ), dtype=torch.float32)  # (A recomputes its softmax)
-    return _final_backward_launch(grad, query, key, value, index, stats, prev_score)[:4]
+    return _final_backward_launch(grad, query, key, value, index, stats, prev_score, None,
+                                  parent_width)[:4]
 
 
 @_final_a_backward_op.register_fake
-def _(grad, query, key, value, index, prev_score):
+def _(grad, query, key, value, index, prev_score, parent_width=0):
     return _qkv_grads_fake(query, key, value) + (
         torch.empty_like(prev_score, memory_format=torch.contiguous_format), )
+
+
+def _final_a_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.parent_width = inputs[5]
 
 
 def _final_a_backward(ctx, grad_out):
     query, key, value, index, prev_score = ctx.saved_tensors
     dq, dk, dv, dps = torch.ops.flatten_mm.qt_final_level_a_backward(
-        grad_out, query, key, value, index, prev_score)
-    return dq, dk, dv, None, dps
+        grad_out, query, key, value, index, prev_score, ctx.parent_width)
+    return dq, dk, dv, None, dps, None
 
 
-_final_a_op.register_autograd(_final_a_backward, setup_context=_save_inputs)
+_final_a_op.register_autograd(_final_a_backward, setup_context=_final_a_setup)
 
 
 # ----------------------------------------------------------------------------------------
@@ -784,14 +849,16 @@ def _run_op(why: Optional[str], op, *args):
         return op(*args)
 
 
-def gathered_scores_triton(query: torch.Tensor, key: torch.Tensor,
-                           index: torch.Tensor) -> torch.Tensor:
+def gathered_scores_triton(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
+                           parent_width: int = 0) -> torch.Tensor:
     """``gathered_scores`` by the Triton kernel (differentiable in ``query`` and ``key``).
 
     Args:
         query: ``(B, h, L, F, d)`` child queries grouped by parent (any strides).
         key: ``(B, h, M, d)`` keys of the level.
-        index: ``(B, h, L, K)`` candidate key rows of each parent.
+        index: ``(B, h, L, K)`` candidate rows, or with ``parent_width`` the ``(B, h, L, K /
+            4)`` parent cells whose children they are (see ``check_inputs``).
+        parent_width: 0, or the width of the coarser grid ``index`` holds cells of.
 
     Returns:
         ``(B, h, L, F, K)`` in the dtype of ``query`` (accumulated in float32).
@@ -799,18 +866,20 @@ def gathered_scores_triton(query: torch.Tensor, key: torch.Tensor,
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    return _run_op(check_inputs(query, key, index, scores=True),
-                   torch.ops.flatten_mm.qt_gathered_scores, query, key, index)
+    return _run_op(check_inputs(query, key, index, True, parent_width),
+                   torch.ops.flatten_mm.qt_gathered_scores, query, key, index, parent_width)
 
 
-def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor,
-                             index: torch.Tensor) -> torch.Tensor:
+def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
+                             parent_width: int = 0) -> torch.Tensor:
     """``gathered_messages`` by the Triton kernel (differentiable in ``weight``, ``value``).
 
     Args:
         weight: ``(B, h, L, F, K)`` attention weights (any strides).
         value: ``(B, h, M, d)`` values of the level.
-        index: ``(B, h, L, K)`` candidate rows.
+        index: ``(B, h, L, K)`` candidate rows, or with ``parent_width`` the ``(B, h, L, K /
+            4)`` parent cells whose children they are (see ``check_inputs``).
+        parent_width: 0, or the width of the coarser grid ``index`` holds cells of.
 
     Returns:
         ``(B, h, L, F, d)`` in the dtype of ``weight`` (accumulated in float32).
@@ -818,13 +887,14 @@ def gathered_messages_triton(weight: torch.Tensor, value: torch.Tensor,
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    return _run_op(check_inputs(weight, value, index, scores=False),
-                   torch.ops.flatten_mm.qt_gathered_messages, weight, value, index)
+    return _run_op(check_inputs(weight, value, index, False, parent_width),
+                   torch.ops.flatten_mm.qt_gathered_messages, weight, value, index,
+                   parent_width)
 
 
 def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         index: torch.Tensor, scale: Optional[torch.Tensor] = None
-                         ) -> torch.Tensor:
+                         index: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                         parent_width: int = 0) -> torch.Tensor:
     """Variant B's final level in one kernel: ``gathered_messages(softmax(
     gathered_scores(query, key, index)), value, index)`` (times ``scale``) without writing
     the ``(B, h, L, F, K)`` scores or weights (differentiable in ``query``, ``key``,
@@ -835,7 +905,9 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         query: ``(B, h, L, F, d)`` child queries (already multiplied by the temperature).
         key: ``(B, h, M, d)`` keys of the level.
         value: ``(B, h, M, d)`` values of the level.
-        index: ``(B, h, L, K)`` candidate rows.
+        index: ``(B, h, L, K)`` candidate rows, or with ``parent_width`` the ``(B, h, L, K /
+            4)`` parent cells whose children they are (see ``check_inputs``).
+        parent_width: 0, or the width of the coarser grid ``index`` holds cells of.
         scale: optional float32 one-element tensor on the device of ``query``, e.g. B's
             level weight: multiplied into the messages in the kernel, so that its gradient
             needs no saved copy of the unscaled messages (the backward forms it from the
@@ -847,7 +919,7 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = _final_level_problem(query, key, value, index)
+    why = _final_level_problem(query, key, value, index, parent_width)
     if why is None and scale is not None:
         if scale.numel() != 1 or scale.dtype != torch.float32:
             why = (f'scale must be a one-element float32 tensor, got {tuple(scale.shape)} '
@@ -855,21 +927,22 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         else:
             why = device_problem((query, scale), __name__)
     return _run_op(why, torch.ops.flatten_mm.qt_final_level_b, query, key, value, index,
-                   scale)[0]
+                   scale, parent_width)[0]
 
 
-def _final_level_problem(query, key, value, index) -> Optional[str]:
+def _final_level_problem(query, key, value, index, parent_width) -> Optional[str]:
     """Why the fused final-level kernels cannot take these inputs (``None`` if they can)."""
-    why = check_inputs(query, key, index, scores=True)
+    why = check_inputs(query, key, index, True, parent_width)
     if why is None and value.shape != key.shape:
         why = f'value {tuple(value.shape)} does not match key {tuple(key.shape)}'
     if why is None:
-        why = check_inputs(query, value, index, scores=True)
+        why = check_inputs(query, value, index, True, parent_width)
     return why
 
 
 def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         index: torch.Tensor, prev_score: torch.Tensor) -> torch.Tensor:
+                         index: torch.Tensor, prev_score: torch.Tensor,
+                         parent_width: int = 0) -> torch.Tensor:
     """Variant A's final level in one kernel::
 
         scores = gathered_scores(query, key, index)                     # (B, h, L, F, K)
@@ -885,7 +958,9 @@ def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         key: ``(B, h, M, d)`` keys of the level.
         value: ``(B, h, M, d)`` values of the level.
         index: ``(B, h, L, K)`` candidate rows: ``K // 4`` groups of 4 consecutive
-            children of one candidate parent (as ``_child_candidates`` orders them).
+            children of one candidate parent (as ``_child_candidates`` orders them), or
+            with ``parent_width`` the ``(B, h, L, K // 4)`` candidate parents' cells.
+        parent_width: 0, or the width of the coarser grid ``index`` holds cells of.
         prev_score: ``(B, h, L, K // 4)`` the coarser level's weight of each candidate
             parent, in the dtype of ``query``.
 
@@ -895,10 +970,10 @@ def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = _final_level_problem(query, key, value, index)
+    why = _final_level_problem(query, key, value, index, parent_width)
     if why is None:
-        shape = (*index.shape[:3], index.shape[-1] // 4)
-        if index.shape[-1] % 4:
+        shape = (*index.shape[:3], _num_candidates(index, parent_width) // 4)
+        if not parent_width and index.shape[-1] % 4:
             why = f'{index.shape[-1]} candidates, not groups of 4'
         elif prev_score.shape != shape:
             why = f'prev_score {tuple(prev_score.shape)}, expected {shape}'
@@ -907,7 +982,7 @@ def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         else:
             why = device_problem((query, prev_score), __name__)
     return _run_op(why, torch.ops.flatten_mm.qt_final_level_a, query, key, value, index,
-                   prev_score)
+                   prev_score, parent_width)
 
 
 __all__ = ['gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
