@@ -452,9 +452,8 @@ def _signature(fn, const: dict, io: str, fp32_ptrs: Tuple[str, ...]) -> Tuple[di
 def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     """What the launches of the ops compile (scores / messages, forward / backward, and the
     fused final level's two kernels for variant B, with its level weight as the released
-    models have it, and for variant A; all with the parent lists the core passes): ``(name,
-    kernel,
-    signature, constexprs, options)`` each, for ahead-of-time compilation without a GPU
+    models have it, and for variant A; all with the parent lists the core passes):
+    ``(name, kernel, signature, constexprs, options)`` each, for ahead-of-time compilation without a GPU
     (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``). Needs
     the kernels compiled, not interpreted."""
     if INTERPRETED:
@@ -483,6 +482,11 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     return specs
 
 
+def _num_candidates(index: torch.Tensor, parent_width: int) -> int:
+    """Candidates per parent: ``index``'s last dim, 4x that for parent lists."""
+    return index.shape[-1] * (4 if parent_width else 1)
+
+
 def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
                  scores: bool, parent_width: int = 0) -> Optional[str]:
     """Why the kernels cannot take these inputs (``None`` if they can).
@@ -506,7 +510,7 @@ def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
     if parent_width and M % (4 * parent_width):
         return (f'{M} key rows are not a map of width {2 * parent_width} and even height '
                 f'(twice the parent grid of width {parent_width})')
-    K = index.shape[-1] * (4 if parent_width else 1)
+    K = _num_candidates(index, parent_width)
     if src.shape[:2] != (B, h) or index.shape[:3] != (B, h, L):
         return (f'shapes do not match: a {tuple(a.shape)}, src {tuple(src.shape)}, '
                 f'index {tuple(index.shape)}')
@@ -530,11 +534,6 @@ def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
 
 # ----------------------------------------------------------------------------------------
 # custom ops: scores
-
-
-def _num_candidates(index: torch.Tensor, parent_width: int) -> int:
-    """Candidates per parent: ``index``'s last dim, 4x that for parent lists."""
-    return index.shape[-1] * (4 if parent_width else 1)
 
 
 @torch.library.triton_op('flatten_mm::qt_gathered_scores', mutates_args=())
