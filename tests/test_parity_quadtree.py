@@ -89,8 +89,8 @@ def test_one_head_error_in_a_block_fails(fx, genuine):
     attn = model.stages[1].blocks[1].attn  # 2 heads
     real = attn.attend
 
-    def one_head_wrong(q, k, v, hw):
-        out = real(q, k, v, hw).clone()
+    def one_head_wrong(q, k, v, hw, **kwargs):
+        out = real(q, k, v, hw, **kwargs).clone()
         H, W = hw
         d = out.shape[-1] // attn.num_heads
         out.view(out.shape[0], H, W, -1)[:, -2:, :, d:] *= 1.001  # head 1, last rows

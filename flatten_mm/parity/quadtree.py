@@ -248,10 +248,11 @@ class QuadTreeAdapter(FixtureAdapter):
                 if not isinstance(attn, QuadTreeAttention):
                     continue
 
-                def attend(q, k, v, hw_shape, _orig=attn.attend, _meta=(i, j, attn)):
+                def attend(q, k, v, hw_shape, _orig=attn.attend, _meta=(i, j, attn),
+                           **kwargs):  # (kwargs: the forward's ``projections``)
                     captured.append((*_meta, q.detach().clone(), k.detach().clone(),
                                      tuple(hw_shape)))
-                    return _orig(q, k, v, hw_shape)
+                    return _orig(q, k, v, hw_shape, **kwargs)
 
                 patched.append((attn, attn.__dict__.get('attend')))
                 attn.attend = attend

@@ -133,6 +133,94 @@ def test_pvt_mlp_dwconv_matches_nchw_formula():
     torch.testing.assert_close(mlp(x, hw), ref, rtol=1e-5, atol=1e-6)
 
 
+def _mlp_step(mlp, x, hw, amp):
+    """Output, gradients of ``x`` and the parameters, and the bytes of the storages kept
+    for the backward (other than ``x``'s and the parameters') of one training step."""
+    mlp.zero_grad()
+    x = x.detach().clone().requires_grad_(True)
+    resident = {t.untyped_storage().data_ptr() for t in [x, *mlp.parameters()]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in resident:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
+        out = mlp(x, hw)
+    out.float().square().sum().backward()
+    return [out.detach(), x.grad] + [p.grad.clone() for p in mlp.parameters()], \
+        sum(kept.values())
+
+
+@pytest.mark.parametrize('amp', [False, True], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('dwconv', [True, False])
+def test_pvt_mlp_recomputed_activation_same_gradients_less_kept(dwconv, amp):
+    """``PVTMlp(recompute_act=True)`` (the default): output and every gradient bit-identical
+    to the plain modules, and exactly one hidden activation (the GELU output, in the
+    compute dtype) less kept for the backward. With a dropout after the activation, or a
+    swapped activation, the plain modules run (nothing less kept)."""
+    torch.manual_seed(0)
+    mlp = PVTMlp(8, 24, dwconv=dwconv)
+    x, hw = _rand(2, 20, 8), (4, 5)
+    results = {}
+    for flag in (True, False):
+        mlp.recompute_act = flag
+        results[flag] = _mlp_step(mlp, x, hw, amp)
+    (fast, fast_kept), (plain, plain_kept) = results[True], results[False]
+    for a, b in zip(fast, plain):
+        assert torch.equal(a, b)
+    hidden_bytes = 2 * 20 * 24 * (2 if amp else 4)
+    # (under autocast the recompute keeps its bf16 copy of fc2's weight, which fc2 keeps
+    # too in the plain path: the same bytes on both sides)
+    assert plain_kept - fast_kept == hidden_bytes, (plain_kept, fast_kept, hidden_bytes)
+    mlp.recompute_act = True
+    mlp.act = nn.GELU(approximate='tanh')  # (still a GELU: its approximation is recomputed)
+    tanh, tanh_kept = _mlp_step(mlp, x, hw, amp)
+    mlp.recompute_act = False
+    tanh_plain, _ = _mlp_step(mlp, x, hw, amp)
+    assert all(torch.equal(a, b) for a, b in zip(tanh, tanh_plain))
+    assert tanh_kept == fast_kept
+    for swap in (dict(act=nn.ReLU()), dict(act=nn.GELU(), drop=nn.Dropout(0.5))):
+        for name, mod in swap.items():
+            setattr(mlp, name, mod)
+        kept = []
+        for flag in (True, False):
+            mlp.recompute_act = flag
+            assert not mlp._recomputes_act(x.detach().requires_grad_(True))
+            torch.manual_seed(1)  # (the same dropout masks)
+            kept.append(_mlp_step(mlp, x, hw, amp))
+        assert all(torch.equal(a, b) for a, b in zip(kept[0][0], kept[1][0]))
+        assert kept[0][1] == kept[1][1], swap
+
+
+def test_pvt_mlp_recomputed_activation_compiles_in_one_graph():
+    """The recomputing MLP traces as one graph when training (``fullgraph``: the
+    ``autograd.Function`` is traced, no break) and AOT autograd (``aot_eager``: its forward
+    and backward, no code generation) gives eager's output and gradients."""
+    torch.manual_seed(0)
+    mlp = PVTMlp(8, 24, dwconv=True)
+    x, hw = _rand(2, 20, 8), (4, 5)
+    assert mlp._recomputes_act(x.requires_grad_(True))
+    eager, _ = _mlp_step(mlp, x, hw, False)
+    compiled = torch.compile(mlp, backend='aot_eager', fullgraph=True)
+    comp, _ = _mlp_step(compiled, x, hw, False)
+    for a, b in zip(comp, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_recompute_mlp_act_reaches_every_mlp():
+    """The PVT skeletons' ``recompute_mlp_act`` (default ``True``) is every MLP's
+    ``recompute_act``."""
+    from flatten_mm.models.backbones import FLattenPVT, QuadTreePVTv2
+    for cls, arch in ((QuadTreePVTv2, 'b0'), (FLattenPVT, 'tiny')):
+        for flag in (True, False):
+            m = cls(arch=arch, recompute_mlp_act=flag)
+            mlps = [mod for mod in m.modules() if isinstance(mod, PVTMlp)]
+            assert len(mlps) == sum(m.depths)
+            assert all(mod.recompute_act is flag for mod in mlps)
+
+
 # ---------------------------------------------------- positional tables (never cached)
 def test_fla_module_no_grad_equals_grad_mode_at_a_foreign_grid():
     """The no-grad path (in-place kernel, resized table) equals the autograd path."""

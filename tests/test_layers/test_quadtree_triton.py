@@ -11,6 +11,7 @@ Triton the import fails.
 """
 import operator
 import os
+import re
 
 import pytest
 import torch
@@ -297,7 +298,7 @@ def _pyramids(B, C, hw, levels, seed):
 def _count_kernel_calls(monkeypatch):
     calls = []
     for name in ('gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
-                 'final_level_a_triton'):
+                 'final_level_a_triton', 'final_level_projected_triton'):
         real = getattr(qt, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -472,9 +473,10 @@ def test_module_with_kernels_matches_pytorch_path(monkeypatch):
         out.square().sum().backward()
         results.append((out.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}))
     # training: level 1 the scores (for the top-k) and the fused kernel; final level 2 the
-    # fused kernel (with the level weights and the LePE conv folded, both variants of
-    # which get their gradients checked below)
-    assert calls == ['gathered_scores_triton'] + ['final_level_b_triton'] * 2, calls
+    # fused kernel on the projected maps (with the level weights and the LePE conv folded,
+    # both variants of which get their gradients checked below)
+    assert calls == ['gathered_scores_triton', 'final_level_b_triton',
+                     'final_level_projected_triton'], calls
     (out_t, grads_t), (out_p, grads_p) = results
     # observed (relative to each tensor's largest value): output 8e-8, parameter
     # gradients <= 4.8e-7
@@ -487,6 +489,102 @@ def test_module_with_kernels_matches_pytorch_path(monkeypatch):
     for name, g in grads_p.items():
         err = ((grads_t[name] - g).abs().max() / g.abs().max()).item()
         assert err < 5e-6, (name, err)
+
+
+def _module_run(m, x, hw, amp, projected):
+    """Output, input gradient, parameter gradients and the saved-for-backward storages
+    (not the parameters' or ``x``'s) of one training step of ``m``; ``projected=False``
+    runs ``attend`` without the ``Projections`` (the final level keeps its maps)."""
+    m.zero_grad()
+    x = x.clone().requires_grad_(True)
+    if not projected:
+        attend = type(m).attend
+        m.attend = lambda q, k, v, hw_shape, **kwargs: attend(m, q, k, v, hw_shape)
+    resident = {t.untyped_storage().data_ptr() for t in [x, *m.parameters()]}
+    kept = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in resident:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
+            out = m(x, hw)
+    finally:
+        m.__dict__.pop('attend', None)
+    out.float().square().sum().backward()
+    return (out.detach(), x.grad, {k: p.grad.clone() for k, p in m.named_parameters()},
+            sum(kept.values()))
+
+
+@pytest.mark.parametrize('amp', [False, True], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('attn_type', ['B', 'A'])
+def test_final_level_recomputes_the_projected_maps(attn_type, amp, monkeypatch):
+    """A training forward of the operator runs its final level as
+    ``final_level_projected_triton`` (the finest query and key, and A's value, given as
+    projections of the block input): the output and every gradient are bit-identical to
+    the same kernels keeping those maps, and the step keeps exactly their bytes less for the
+    backward: the float32 grouped queries and the key map (A: and the value map) of the
+    finest level, in their dtypes (fp32, or bf16 under autocast), less the bf16 copies of
+    their biases under autocast. An 11x13 map (padded to 12x16), 2 heads, 3 levels."""
+    calls = _count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    m = QuadTreeAttention(16, 2, attn_type=attn_type, num_levels=3, topk=4, use_triton=True)
+    x = torch.randn(2, 11 * 13, 16)
+    proj = _module_run(m, x, (11, 13), amp, True)
+    assert calls[-1] == 'final_level_projected_triton', calls
+    del calls[:]
+    kept = _module_run(m, x, (11, 13), amp, False)
+    assert 'final_level_projected_triton' not in calls, calls
+    for a, b in zip(proj[:2], kept[:2]):
+        assert torch.equal(a, b)
+    assert proj[2].keys() == kept[2].keys()
+    for name in proj[2]:
+        assert torch.equal(proj[2][name], kept[2][name]), name
+    tokens = 2 * 12 * 16 * 16  # B * padded N * C
+    map_bytes = tokens * (2 if amp else 4)
+    expected = tokens * 4 + map_bytes * (2 if attn_type == 'A' else 1)
+    if amp:  # (for the recompute: the bf16 copies of the recomputed maps' biases, 16 each)
+        expected -= 16 * 2 * (3 if attn_type == 'A' else 2)
+    assert kept[3] - proj[3] == expected, (kept[3], proj[3], expected)
+
+
+def test_projected_final_level_refuses_projections_that_do_not_fit():
+    """``final_level_projected_triton`` checks what it can of its ``Projections`` (the
+    input's shape, the weights' shapes and dtypes) and the variant, naming the problem."""
+    B, h, Hf, Wf, d, Kp = 1, 2, 4, 6, 4, 2
+    C = h * d
+    gen = _gen(5)
+    x = torch.randn(B, Hf * Wf, C, generator=gen)
+    w, b = torch.randn(C, C, generator=gen), torch.randn(C, generator=gen)
+    q_map = qa.tokens_as_map(torch.nn.functional.linear(x, w, b), (Hf, Wf))
+    q = qa._level_queries(q_map, h, d ** -0.5)
+    k = qa._to_heads(q_map, h)
+    index = torch.randint(0, (Hf // 2) * (Wf // 2), (B, h, q.shape[2], Kp), generator=gen,
+                          dtype=torch.int32)
+    good = qa.Projections(x, (w, b), (w, b))
+    out = qt.final_level_projected_triton(q, k, k, index, None, Wf // 2, good, (Hf, Wf), h,
+                                          d ** -0.5, 'B')
+    assert torch.equal(out, qt.final_level_b_triton(q, k, k, index, None, Wf // 2))
+    bad = {
+        'is not (1, 24, C_in)': good._replace(x=x[:, :-1]),
+        'is not 8 -> 8': good._replace(key=(w[:, :-1], b)),
+        'differs from its input': good._replace(query=(w.double(), b.double())),
+    }
+    for message, projections in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            qt.final_level_projected_triton(q, k, k, index, None, Wf // 2, projections,
+                                            (Hf, Wf), h, d ** -0.5, 'B')
+    with pytest.raises(ValueError, match='does not match query'):
+        qt.final_level_projected_triton(q, k, k, index, None, Wf // 2,
+                                        good._replace(x=x.reshape(B, Hf, Wf, C)[:, :2]
+                                                      .reshape(B, -1, C)), (2, Wf), h,
+                                        d ** -0.5, 'B')
+    with pytest.raises(ValueError, match="variant must be 'A' or 'B'"):
+        qt.final_level_projected_triton(q, k, k, index, None, Wf // 2, good, (Hf, Wf), h,
+                                        d ** -0.5, 'C')
 
 
 # --------------------------------------------------------------------------- switches
@@ -512,8 +610,8 @@ def test_switches(monkeypatch):
     m(torch.randn(1, 16, 8), (4, 4))
     assert len(calls) == 1
     monkeypatch.setenv(fla.TRITON_ENV, '1')
-    m(torch.randn(1, 16, 8), (4, 4))
-    assert calls[1:] == ['final_level_b_triton']
+    m(torch.randn(1, 16, 8), (4, 4))  # (training: the final level on the projected maps)
+    assert calls[1:] == ['final_level_projected_triton']
     m.use_triton = None  # auto: CPU tensors take the PyTorch path
     m(torch.randn(1, 16, 8), (4, 4))
     assert len(calls) == 2
@@ -604,8 +702,9 @@ def test_dynamo_sees_one_node_each():
 @pytest.mark.parametrize('attn_type', ['B', 'A'])
 def test_module_compiles_to_one_graph_with_the_ops(attn_type):
     """``torch.compile(fullgraph=True)`` of the whole operator with the kernels: one graph
-    (no break), holding the three custom ops of a training forward (the variant's fused
-    final level last), with the eager output."""
+    (no break), holding the custom ops of a training forward, the variant's fused final
+    level inside the traced ``autograd.Function`` of the projected maps (its forward and
+    backward bodies hold the op and its backward op once each), with the eager output."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -617,12 +716,19 @@ def test_module_compiles_to_one_graph_with_the_ops(attn_type):
     x = torch.randn(2, 8 * 12, 16)
     out = torch.compile(m, backend=backend, fullgraph=True)(x, (8, 12))
     assert len(graphs) == 1
-    ops = [str(n.target) for n in graphs[0].graph.nodes if 'flatten_mm' in str(n.target)]
+    top = [str(n.target) for n in graphs[0].graph.nodes if n.op == 'call_function']
+    ops = [t for t in top if 'flatten_mm' in t]
     final = f'flatten_mm.qt_final_level_{attn_type.lower()}'
     # (a training forward: B's middle level selects on scores computed without autograd
     # and takes its messages from the fused kernel)
     middle = final if attn_type == 'B' else 'flatten_mm.qt_gathered_messages'
-    assert ops == ['flatten_mm.qt_gathered_scores', middle, final], ops
+    assert ops == ['flatten_mm.qt_gathered_scores', middle], ops
+    assert 'autograd_function_apply' in top, top
+    inner = [str(n.target) for name, sub in graphs[0].named_modules()
+             if name and hasattr(sub, 'graph')  # (the subgraphs, not the top graph)
+             for n in sub.graph.nodes if n.op == 'call_function']
+    for op in (final, final + '_backward'):
+        assert sum(t in (op, op + '.default') for t in inner) == 1, (op, inner)
     assert torch.equal(out, m(x, (8, 12)))
 
 
@@ -739,10 +845,29 @@ def test_gpu_check_tool_quadtree_check_runs_interpreted(monkeypatch):
         assert set(rec['errors']) == names and rec['passed'], rec
         assert (rec['parents'], rec['keys'], rec['candidates'], rec['head_dim']) == (16, 64, 8, 8)
         assert ('core' in rec) == (dtype == 'fp32')  # the core once, in the first dtype
-    for attn_type, c in tool.check_quadtree('tiny', 'fp32', args)['core'].items():
+    rec = tool.check_quadtree('tiny', 'fp32', args)
+    for attn_type, c in rec['core'].items():
         assert c['passed'] and c['near_tie_tokens'] == 0 and not c['skipped'], c
         assert c['min_margin'] > args.margin_threshold
         assert set(c['max_rel']) == {f'd{x}{i}' for x in 'qkv' for i in range(3)} | {'out'}
+    assert set(rec['module']) == {'A', 'B'}
+    for c in rec['module'].values():
+        assert c['passed'] and c['projected_path'] and c['near_tie_tokens'] == 0, c
+        assert set(c['max_rel']) == {'out', 'gradients'}
+
+
+def test_gpu_check_tool_module_check_fails_a_wrong_recompute(monkeypatch):
+    """The tool's module check fails when the projected final level's backward recomputes
+    its queries wrongly (0.1 % off): the gradients differ, the output does not."""
+    tool = _load_tool()
+    args = _tiny_args(tool, monkeypatch)
+    assert tool._qt_module_check('tiny', 'B', args)['passed']
+    real = qt._level_queries
+    monkeypatch.setattr(qt, '_level_queries', lambda *a: real(*a) * 1.001)
+    for attn_type in ('A', 'B'):
+        c = tool._qt_module_check('tiny', attn_type, args)
+        assert not c['passed'] and c['max_rel']['out'] <= args.tol, c
+        assert c['max_rel']['gradients'] > args.tol, c
 
 
 def test_gpu_check_tool_quadtree_near_ties_are_masked_and_recorded(monkeypatch):

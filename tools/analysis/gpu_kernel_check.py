@@ -26,7 +26,10 @@ same for the four ops (``qt_gathered_scores``, ``qt_gathered_messages``,
 B with ``use_triton`` True vs False (first of ``--dtypes``; float32 maths, within
 ``--tol``): near ties, top-k selections whose margin is below ``--margin-threshold`` and may
 flip between two paths, are left out of the comparison where they reach (the tokens below
-them; all key / value gradients) and recorded, see ``_qt_core_check``. ``--compile``: the
+them; all key / value gradients) and recorded, see ``_qt_core_check``; and the
+``QuadTreeAttention`` module A and B with the kernels (its final level on the projected
+maps, recomputed in the backward) against ``use_triton=False`` (``_qt_module_check``, the
+same near-tie rule). ``--compile``: the
 ``QuadTreeAttention`` module (float32, same near-tie rule) against eager. Timings: the ops
 and the core (B).
 
@@ -614,6 +617,64 @@ def _qt_compile_check(case: str, args: argparse.Namespace) -> Dict:
     return rec
 
 
+def _qt_module_check(case: str, attn_type: str, args: argparse.Namespace) -> Dict:
+    """The ``QuadTreeAttention`` module (the case's levels / top-k) with the kernels, whose
+    training forward runs the final level on the projected maps
+    (``final_level_projected_triton``: the finest query and key, and A's value, recomputed
+    from the block input in the backward), against ``use_triton=False``: output and the
+    gradients of input and parameters, float32. Near ties as in ``_qt_compile_check``."""
+    from flatten_mm.models.layers import QuadTreeAttention
+    from flatten_mm.models.layers import quadtree_attention_triton as qt_triton
+    side, C, h, S, topk = QT_CASES[case]
+    dev = getattr(args, 'device', 'cuda')
+    torch.manual_seed(args.seed)
+    m = QuadTreeAttention(C, h, attn_type=attn_type, num_levels=S, topk=topk).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 4)
+    x = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
+    g = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
+    params = list(m.parameters())
+    calls = []
+    real = qt_triton.final_level_projected_triton
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    def run(flag):
+        m.use_triton = flag
+        xl = x.detach().requires_grad_(True)
+        out = m(xl, (side, side))
+        grads = torch.autograd.grad(out, [xl] + params, g)
+        return [out.detach()] + [t.detach() for t in grads]
+
+    margins, ties = [], []
+    m.margin_recorder = lambda lvl, mg: margins.append(mg)
+    qt_triton.final_level_projected_triton = spy
+    try:
+        with _near_ties(ties, args.margin_threshold, S, side):
+            kern = run(True)
+            torch_path = run(False)
+    finally:
+        qt_triton.final_level_projected_triton = real
+    tie = _tie_masks(ties, S, side)[-1].any(1)  # (B, N): any head (proj mixes them)
+    rec = dict(attn_type=attn_type, dtype='fp32', projected_path=len(calls) == 1,
+               min_margin=min(margins), near_tie_tokens=int(tie.sum()),
+               tokens=int(tie.numel()),
+               finite=all(bool(torch.isfinite(t).all()) for t in kern))
+    keep = ~tie[..., None]
+    rec['max_rel'] = {'out': _max_rel(kern[0] * keep, (torch_path[0] * keep).double())}
+    if rec['near_tie_tokens']:
+        rec['skipped'] = ['gradients']
+        rec['skip_reason'] = (f'{rec["near_tie_tokens"]} of {rec["tokens"]} tokens below a '
+                              f'near-tie top-k (margin < {args.margin_threshold:.0e})')
+    else:
+        rec['max_rel']['gradients'] = max(
+            _max_rel(a, b.double()) for a, b in zip(kern[1:], torch_path[1:]))
+    rec['passed'] = (rec['projected_path'] and rec['finite']
+                     and max(rec['max_rel'].values()) <= args.tol)
+    return rec
+
+
 def check_quadtree(case: str, dtype_name: str, args: argparse.Namespace) -> Dict:
     """One QuadTree case (``QT_CASES``) and dtype: the four ops on the case's finest level
     (kernels and PyTorch path against float64 on the same rounded inputs, forward and
@@ -642,6 +703,11 @@ def check_quadtree(case: str, dtype_name: str, args: argparse.Namespace) -> Dict
         for attn_type in ('A', 'B'):
             c = _qt_core_check(case, attn_type, args)
             rec['core'][attn_type] = c
+            rec['passed'] &= c['passed']
+        rec['module'] = {}
+        for attn_type in ('A', 'B'):
+            c = _qt_module_check(case, attn_type, args)
+            rec['module'][attn_type] = c
             rec['passed'] &= c['passed']
         if args.compile and case in args.compile_cases:
             rec['compile'] = _qt_compile_check(case, args)

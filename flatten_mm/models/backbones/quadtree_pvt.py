@@ -64,7 +64,8 @@ class QuadTreePVTv2(PyramidVisionBackbone):
             ``dict(attn_type='A')``; a dict with ``type`` replaces it.
         drop_path_rate: stochastic depth (0.1 in all official dense configs).
         **kwargs: the other arguments of ``FLattenPVTv2`` (``in_channels``, ``qkv_bias``,
-            ``drop_rate``, ``out_indices``, ``frozen_stages``, ``with_cp``, ``init_cfg``...).
+            ``drop_rate``, ``out_indices``, ``frozen_stages``, ``with_cp``,
+            ``recompute_mlp_act``, ``init_cfg``...).
     """
 
     _b = dict(num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4))

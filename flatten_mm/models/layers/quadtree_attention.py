@@ -42,7 +42,10 @@ Implementation notes:
   imports; the kernels take the ``K`` selected parent cells and derive their ``4K``
   children (no candidate list for the final level, none kept for the backward);
   inference then takes the batched path with those kernels instead of the chunked
-  gathers. ``use_triton=False`` (operator argument, or
+  gathers. When training, ``QuadTreeAttention`` hands the core its projections
+  (``Projections``): the fused final level recomputes the finest query and key maps (A:
+  and the value map) from the block input in its backward instead of keeping them.
+  ``use_triton=False`` (operator argument, or
   ``attn_cfg=dict(use_triton=False)`` in a backbone) or ``FLATTEN_MM_TRITON=0``
   (environment) selects the PyTorch path, which stays the reference and the CPU /
   float64 / export path.
@@ -51,7 +54,7 @@ import contextlib
 import functools
 import math
 import warnings
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -59,6 +62,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import cpu_kernels
+from .amp import autocast_operands
 from .conv import tokens_as_map
 from .focused_linear_attention import _check_use_triton, triton_env_enabled
 
@@ -386,6 +390,12 @@ def _group_children(x: torch.Tensor, num_heads: int) -> torch.Tensor:
                                                   C // num_heads)
 
 
+def _level_queries(q_map: torch.Tensor, num_heads: int, temp: float) -> torch.Tensor:
+    """A finer level's queries as its kernels / gathers take them: float32, grouped by
+    parent (``_group_children``), times the temperature."""
+    return _group_children(q_map.float(), num_heads) * temp
+
+
 def _children_to_raster(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
     """``(B, h, L, 4, X)`` grouped by parent -> ``(B, h, H*W, X)`` raster of the ``hw`` grid."""
     B, h, _, _, X = x.shape
@@ -457,6 +467,23 @@ class LePEConv:
         return self._apply(v, scale)
 
 
+class Projections(NamedTuple):
+    """The finest level's maps as projections of one input ``x`` ``(B, N, C_in)``: the query
+    map is ``tokens_as_map(F.linear(x, *query), hw)``, the key map likewise with ``key``
+    and, if ``value`` is given, the value map with ``value`` (``(weight, bias)`` pairs,
+    ``bias`` optional; ``x`` and the weights in the dtype the projections ran in).
+
+    With autograd, the fused final level (Triton kernels) then keeps ``x`` and the weights
+    for its backward, which recomputes the maps (one GEMM each), instead of keeping its
+    float32 grouped queries and the key (and value) maps: ``x`` is kept anyway, by the
+    projections themselves. Variant B's value map is kept by its value branch and LePE
+    conv, so B passes ``value=None``."""
+    x: torch.Tensor
+    query: Tuple[torch.Tensor, Optional[torch.Tensor]]
+    key: Tuple[torch.Tensor, Optional[torch.Tensor]]
+    value: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+
 def quadtree_attention_core(queries: Sequence[torch.Tensor],
                             keys: Sequence[torch.Tensor],
                             values: Sequence[torch.Tensor],
@@ -467,7 +494,8 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                             lepes: Optional[Sequence[torch.Tensor]] = None,
                             margin_recorder: Optional[MarginRecorder] = None,
                             chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                            use_triton: Optional[bool] = None) -> torch.Tensor:
+                            use_triton: Optional[bool] = None,
+                            projections: Optional[Projections] = None) -> torch.Tensor:
     """Multi-level QuadTree attention on given pyramids (float32 math).
 
     Level 0 is the coarsest; level ``i + 1`` has twice the height and width of level ``i``.
@@ -493,6 +521,10 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         use_triton: Triton kernels for the finer levels' gathered scores and messages
             (and the fused final level): ``None`` auto (on CUDA), ``True`` force,
             ``False`` the PyTorch path (``FLATTEN_MM_TRITON=0`` turns them off everywhere).
+        projections: optional, the finest level's query / key (/ value) maps as
+            projections of one input (``Projections``; the caller's promise, not checked
+            beyond shapes): a training forward's fused final level then recomputes them
+            in its backward instead of keeping them (same values and gradients).
 
     Returns:
         ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
@@ -590,7 +622,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             messages.append(msg)
             grid = (hi, wi)
             continue
-        q = _group_children(queries[i].float(), h) * temp  # (B, h, L, 4, d), pre-scaled
+        q = _level_queries(queries[i], h, temp)  # (B, h, L, 4, d), pre-scaled
         if kernels and prev_idx.dtype != torch.int32:
             # int32 indices for the kernels (the ops save them for the backward: half the
             # bytes of int64; the levels below inherit the dtype)
@@ -630,13 +662,21 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                 # backward's per-row g . out, no saved unweighted messages) and folded into
                 # the LePE conv
                 scale = level_weights[i] if level_weights is not None else None
-                msg = _children_to_raster(
-                    qt_triton.final_level_b_triton(q, k, v, index, scale, iw), (hi, wi))
+                if final and projections is not None and not inference:
+                    raw = qt_triton.final_level_projected_triton(
+                        q, k, v, index, scale, iw, projections, (hi, wi), h, temp, 'B')
+                else:
+                    raw = qt_triton.final_level_b_triton(q, k, v, index, scale, iw)
+                msg = _children_to_raster(raw, (hi, wi))
                 if scale is not None:
                     weighted.add(i)
                     if lepes is not None:
                         msg = msg.add_(lepe(i, scale)) if inference else msg + lepe(i, scale)
                         lepe_added.add(i)
+            elif final and projections is not None and not inference:
+                msg = _children_to_raster(qt_triton.final_level_projected_triton(
+                    q, k, v, index, prev_score, iw, projections, (hi, wi), h, temp, 'A'),
+                    (hi, wi))
             else:
                 msg = _children_to_raster(
                     qt_triton.final_level_a_triton(q, k, v, index, prev_score, iw), (hi, wi))
@@ -1024,7 +1064,8 @@ class QuadTreeAttention(nn.Module):
         return branch(v)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               hw_shape: Tuple[int, int]) -> torch.Tensor:
+               hw_shape: Tuple[int, int],
+               projections: Optional[Projections] = None) -> torch.Tensor:
         """QuadTree attention on projected tokens (no ``q/k/v_proj``, no ``proj``).
 
         Builds the pyramids (2x2 average pooling; variant B: the learned value branches
@@ -1034,6 +1075,10 @@ class QuadTreeAttention(nn.Module):
             q, k, v: ``(B, N, C)`` tokens of an ``hw_shape`` map whose sides are
                 multiples of ``size_divisor`` (the padded map).
             hw_shape: ``(H, W)``.
+            projections: optional, ``q``, ``k`` (and ``v``) as projections of one input
+                (``Projections`` of the tokens: ``q = F.linear(x, *query)``, ...), passed to
+                the core (a training forward with the kernels then keeps ``x`` instead of
+                the finest query and key maps).
 
         Returns:
             ``(B, N, C)`` float32 messages (head-major channels).
@@ -1061,7 +1106,7 @@ class QuadTreeAttention(nn.Module):
             out = quadtree_attention_core(queries, keys, values, self.num_heads, self.topks,
                                           self.attn_type, level_weights, lepes,
                                           self.margin_recorder, self.chunk_elements,
-                                          self.use_triton)
+                                          self.use_triton, projections)
         return out.transpose(1, 2).reshape(B, N, C)  # head-major channels
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
@@ -1074,10 +1119,18 @@ class QuadTreeAttention(nn.Module):
         if pad_h or pad_w:
             x = F.pad(x.reshape(B, H, W, C), (0, 0, 0, pad_w, 0, pad_h)).reshape(B, -1, C)
         Hp, Wp = H + pad_h, W + pad_w
-        # the 1x1-conv projections as matmuls on the tokens (same maths, no NCHW copies)
-        q, k, v = (F.linear(x, conv.weight.reshape(C, C), conv.bias)
-                   for conv in (self.q_proj, self.k_proj, self.v_proj))
-        out = self.attend(q, k, v, (Hp, Wp))
+        # the 1x1-conv projections as matmuls on the tokens (same maths, no NCHW copies);
+        # under autocast x and the weights are cast here, as the matmuls would cast them:
+        # one copy of x for the three (and for the backward), not one each
+        x, *flat = autocast_operands(x, *[t for conv in (self.q_proj, self.k_proj, self.v_proj)
+                                          for t in (conv.weight.reshape(C, C), conv.bias)])
+        params = list(zip(flat[::2], flat[1::2]))  # (weight, bias) of q, k, v
+        q, k, v = (F.linear(x, w, b) for w, b in params)
+        # (the finest query and key, and A's value, are then recomputed from x in the
+        # backward of the fused final level; B's value map is kept by its value branch)
+        projections = Projections(x, params[0], params[1],
+                                  params[2] if self.attn_type == 'A' else None)
+        out = self.attend(q, k, v, (Hp, Wp), projections=projections)
         if pad_h or pad_w:
             out = out.reshape(B, Hp, Wp, C)[:, :H, :W]
         out = out.reshape(B, N, C).to(x.dtype)

@@ -42,6 +42,13 @@ tensor written): ``flatten_mm::qt_final_level_b`` (softmax over all ``K`` candid
 coarser level's ``prev_score``; gradients also for ``prev_score``), each with its
 ``_backward`` op.
 
+A training forward's final level whose query and key are projections of the block input
+(``quadtree_attention.Projections``; variant A: the value too) runs as
+``final_level_projected_triton``, an ``autograd.Function`` around the fused op: its
+backward recomputes those maps (one GEMM each) instead of keeping the float32 grouped
+queries and the key map of the finest level, the largest tensors a block's attention
+would keep besides its input.
+
 On CUDA tensors the kernels are compiled by Triton; on CPU tensors they run only under
 Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported), which is
 how the tests run them.
@@ -49,10 +56,13 @@ how the tests run them.
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .conv import tokens_as_map
 from .focused_linear_attention_triton import _cast_rne, device_problem
+from .quadtree_attention import _level_queries, _to_heads
 
 #: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -918,14 +928,8 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = _final_level_problem(query, key, value, index, parent_width)
-    if why is None and scale is not None:
-        if scale.numel() != 1 or scale.dtype != torch.float32:
-            why = (f'scale must be a one-element float32 tensor, got {tuple(scale.shape)} '
-                   f'{scale.dtype}')
-        else:
-            why = device_problem((query, scale), __name__)
-    return _run_op(why, torch.ops.flatten_mm.qt_final_level_b, query, key, value, index,
+    return _run_op(_final_b_problem(query, key, value, index, scale, parent_width),
+                   torch.ops.flatten_mm.qt_final_level_b, query, key, value, index,
                    scale, parent_width)[0]
 
 
@@ -936,6 +940,34 @@ def _final_level_problem(query, key, value, index, parent_width) -> Optional[str
         why = f'value {tuple(value.shape)} does not match key {tuple(key.shape)}'
     if why is None:
         why = check_inputs(query, value, index, True, parent_width)
+    return why
+
+
+def _final_b_problem(query, key, value, index, scale, parent_width) -> Optional[str]:
+    """``_final_level_problem`` and B's ``scale`` (one float32 element, or ``None``)."""
+    why = _final_level_problem(query, key, value, index, parent_width)
+    if why is None and scale is not None:
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            why = (f'scale must be a one-element float32 tensor, got {tuple(scale.shape)} '
+                   f'{scale.dtype}')
+        else:
+            why = device_problem((query, scale), __name__)
+    return why
+
+
+def _final_a_problem(query, key, value, index, prev_score, parent_width) -> Optional[str]:
+    """``_final_level_problem`` and A's ``prev_score`` (``(B, h, L, K / 4)``, query dtype)."""
+    why = _final_level_problem(query, key, value, index, parent_width)
+    if why is None:
+        shape = (*index.shape[:3], _num_candidates(index, parent_width) // 4)
+        if not parent_width and index.shape[-1] % 4:
+            why = f'{index.shape[-1]} candidates, not groups of 4'
+        elif prev_score.shape != shape:
+            why = f'prev_score {tuple(prev_score.shape)}, expected {shape}'
+        elif prev_score.dtype != query.dtype:
+            why = f'prev_score dtype {prev_score.dtype}, query {query.dtype}'
+        else:
+            why = device_problem((query, prev_score), __name__)
     return why
 
 
@@ -969,20 +1001,126 @@ def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    why = _final_level_problem(query, key, value, index, parent_width)
-    if why is None:
-        shape = (*index.shape[:3], _num_candidates(index, parent_width) // 4)
-        if not parent_width and index.shape[-1] % 4:
-            why = f'{index.shape[-1]} candidates, not groups of 4'
-        elif prev_score.shape != shape:
-            why = f'prev_score {tuple(prev_score.shape)}, expected {shape}'
-        elif prev_score.dtype != query.dtype:
-            why = f'prev_score dtype {prev_score.dtype}, query {query.dtype}'
-        else:
-            why = device_problem((query, prev_score), __name__)
-    return _run_op(why, torch.ops.flatten_mm.qt_final_level_a, query, key, value, index,
+    return _run_op(_final_a_problem(query, key, value, index, prev_score, parent_width),
+                   torch.ops.flatten_mm.qt_final_level_a, query, key, value, index,
                    prev_score, parent_width)
 
 
+# ----------------------------------------------------------------------------------------
+# the final level on projected maps: the backward recomputes the query / key (/ value)
+
+
+def _projected_map(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   hw: Tuple[int, int]) -> torch.Tensor:
+    """``tokens_as_map(F.linear(x, weight, bias), hw)``: a map as ``Projections`` defines it."""
+    return tokens_as_map(F.linear(x, weight, bias), hw)
+
+
+class _ProjectedFinalLevel(torch.autograd.Function):
+    """The fused final level (``qt_final_level_b``, or ``qt_final_level_a`` when
+    ``grouped``) on a query, key (and value) that are projections of one input ``x``: the
+    forward runs the op on the given tensors and keeps ``x`` and the weights, the backward
+    recomputes the tensors from them (as ``quadtree_attention_core`` formed them) and runs
+    the backward op (see ``final_level_projected_triton``)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, index, extra, x, wq, bq, wk, bk, wv, bv, hw,
+                num_heads, temp, parent_width, grouped):
+        if grouped:
+            out = torch.ops.flatten_mm.qt_final_level_a(query, key, value, index, extra,
+                                                        parent_width)
+            stats = None
+        else:
+            out, stats = torch.ops.flatten_mm.qt_final_level_b(query, key, value, index,
+                                                               extra, parent_width)
+        # (the value only when it is not recomputed: B's, kept by its value branch anyway)
+        ctx.save_for_backward(x, wq, bq, wk, bk, wv, bv, value if wv is None else None,
+                              index, stats, extra)
+        ctx.args = (hw, num_heads, temp, parent_width, grouped, key.dtype, value.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, wq, bq, wk, bk, wv, bv, value, index, stats, extra = ctx.saved_tensors
+        hw, h, temp, pw, grouped, key_dtype, value_dtype = ctx.args
+        # (the projections ran in the dtype of x and the weights: no autocast here, even if
+        # the backward is called inside an autocast region)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            query = _level_queries(_projected_map(x, wq, bq, hw), h, temp)
+            key = _to_heads(_projected_map(x, wk, bk, hw), h).to(key_dtype)
+            if wv is not None:
+                value = _to_heads(_projected_map(x, wv, bv, hw), h).to(value_dtype)
+        if grouped:
+            dq, dk, dv, dextra = torch.ops.flatten_mm.qt_final_level_a_backward(
+                grad, query, key, value, index, extra, pw)
+        else:
+            dq, dk, dv, dextra = torch.ops.flatten_mm.qt_final_level_b_backward(
+                grad, query, key, value, index, stats, extra, pw)
+            dextra = dextra if extra is not None else None
+        return (dq, dk, dv, None, dextra) + (None, ) * 12
+
+
+def _projections_problem(projections, query: torch.Tensor, key: torch.Tensor,
+                         hw_shape: Tuple[int, int], num_heads: int) -> Optional[str]:
+    """Why ``projections`` cannot be the source of these level tensors (shapes and dtypes;
+    ``None`` if they can)."""
+    x = projections.x
+    B, h, L, nf, d = query.shape
+    H, W = hw_shape
+    if h != num_heads:
+        return f'query has {h} heads, num_heads is {num_heads}'
+    if x.dim() != 3 or x.shape[0] != B or x.shape[1] != H * W:
+        return f'projection input {tuple(x.shape)} is not ({B}, {H * W}, C_in)'
+    if L * nf != H * W or key.shape[2] != H * W:
+        return f'a {H}x{W} map does not match query {tuple(query.shape)}'
+    pairs = [('query', projections.query), ('key', projections.key)]
+    if projections.value is not None:
+        pairs.append(('value', projections.value))
+    for name, (w, b) in pairs:
+        if w.shape != (h * d, x.shape[2]) or b is not None and b.shape != (h * d, ):
+            return (f'{name} projection {tuple(w.shape)} (bias '
+                    f'{None if b is None else tuple(b.shape)}) is not {x.shape[2]} -> {h * d}')
+        if w.dtype != x.dtype or b is not None and b.dtype != x.dtype:
+            return f'{name} projection dtype {w.dtype} differs from its input ({x.dtype})'
+    return device_problem((query, x), __name__)
+
+
+def final_level_projected_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 index: torch.Tensor, extra: Optional[torch.Tensor],
+                                 parent_width: int, projections, hw_shape: Tuple[int, int],
+                                 num_heads: int, temp: float, variant: str) -> torch.Tensor:
+    """The fused final level, ``final_level_b_triton(query, key, value, index, extra,
+    parent_width)`` (``variant='B'``, ``extra`` the level weight or ``None``) or
+    ``final_level_a_triton(..., extra, ...)`` (``'A'``, ``extra`` the prev_score), for a
+    query, key (and value) that are projections of one input (``projections``, a
+    ``quadtree_attention.Projections``): the same output and gradients, but the backward
+    recomputes them (one GEMM each, and the layout: ``query`` must be
+    ``_level_queries(query map, num_heads, temp)``, ``key`` / ``value`` the ``_to_heads``
+    of their maps, in their own dtype) instead of keeping them, so a training step keeps
+    no float32 grouped queries or key map of the finest level (``x`` is kept by the
+    projections anyway).
+
+    Raises:
+        ValueError: inputs the kernels do not take, or projections whose shapes / dtypes
+            cannot give these tensors (the values themselves are the caller's promise).
+    """
+    if variant not in ('A', 'B'):
+        raise ValueError(f"variant must be 'A' or 'B', got {variant!r}")
+    grouped = variant == 'A'
+    why = (_final_a_problem if grouped else _final_b_problem)(query, key, value, index, extra,
+                                                              parent_width)
+    if why is None:
+        why = _projections_problem(projections, query, key, hw_shape, num_heads)
+    if why is not None:
+        raise ValueError(f'QuadTree Triton kernels: {why}')
+    wv, bv = projections.value if projections.value is not None else (None, None)
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        return _ProjectedFinalLevel.apply(
+            query, key, value, index, extra, projections.x, *projections.query,
+            *projections.key, wv, bv, (int(hw_shape[0]), int(hw_shape[1])), int(num_heads),
+            float(temp), int(parent_width), grouped)
+
+
 __all__ = ['gathered_scores_triton', 'gathered_messages_triton', 'final_level_b_triton',
-           'final_level_a_triton', 'check_inputs', 'tile_fits', 'INTERPRETED']
+           'final_level_a_triton', 'final_level_projected_triton', 'check_inputs',
+           'tile_fits', 'INTERPRETED']
