@@ -210,15 +210,29 @@ def test_pvt_mlp_recomputed_activation_compiles_in_one_graph():
 
 
 def test_recompute_mlp_act_reaches_every_mlp():
-    """The PVT skeletons' ``recompute_mlp_act`` (default ``True``) is every MLP's
-    ``recompute_act``."""
-    from flatten_mm.models.backbones import FLattenPVT, QuadTreePVTv2
-    for cls, arch in ((QuadTreePVTv2, 'b0'), (FLattenPVT, 'tiny')):
+    """Every backbone's ``recompute_mlp_act`` (default ``True``) is each of its MLPs'
+    ``recompute_act`` (one MLP per block)."""
+    from flatten_mm.models.backbones import (PVTv2, FLattenCSWin, FLattenPVT, FLattenPVTv2,
+                                             FLattenSwin, QuadTreePVTv2, SimAXCiT)
+    small = dict(embed_dims=(8, 16, 24, 32), depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4),
+                 mlp_ratios=(2, 2, 2, 2))
+    swin = dict(embed_dims=8, depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4))
+    cases = [(FLattenPVTv2, dict(arch=small)), (FLattenPVT, dict(arch=small)),
+             (QuadTreePVTv2, dict(arch=small, attn_cfg=dict(topk=2))), (PVTv2, dict(arch=small)),
+             (FLattenSwin, dict(arch=dict(swin, window_size=2))),
+             (FLattenCSWin, dict(arch=dict(swin, split_size=2))),
+             (SimAXCiT, dict(arch=dict(embed_dims=16, depth=3, num_heads=2), patch_size=16,
+                             block_indices=(0, 1, 2, 2)))]
+    for cls, kwargs in cases:
+        blocks = None
         for flag in (True, False):
-            m = cls(arch=arch, recompute_mlp_act=flag)
+            m = cls(**kwargs, recompute_mlp_act=flag)
             mlps = [mod for mod in m.modules() if isinstance(mod, PVTMlp)]
-            assert len(mlps) == sum(m.depths)
-            assert all(mod.recompute_act is flag for mod in mlps)
+            blocks = sum(m.depths) if hasattr(m, 'depths') else m.depth
+            assert len(mlps) == blocks, cls
+            assert all(mod.recompute_act is flag for mod in mlps), cls
+        assert all(mod.recompute_act for mod in cls(**kwargs).modules()
+                   if isinstance(mod, PVTMlp))  # (the default)
 
 
 # ---------------------------------------------------- positional tables (never cached)

@@ -129,6 +129,10 @@ class FLattenSwin(DoublingStageBackbone):
             ``base.StageFreezing``). Stages after the deepest of ``out_indices`` (and
             that stage's ``PatchMerging``) are never run and are always frozen.
         with_cp: gradient checkpointing of every block (same outputs, less memory).
+        recompute_mlp_act: when training, each MLP's GELU output is recomputed in the
+            backward instead of kept (``PVTMlp``): the same outputs and gradients, a third
+            less MLP activation memory for one elementwise pass per block in the backward;
+            ``False`` keeps it, as timm / mmdet do.
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py``.
     """
@@ -166,6 +170,7 @@ class FLattenSwin(DoublingStageBackbone):
                  out_indices: Sequence[int] = (0, 1, 2, 3),
                  frozen_stages: int = -1,
                  with_cp: bool = False,
+                 recompute_mlp_act: bool = True,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         settings = self._setup(arch, in_channels, attn_cfg, pretrain_img_size, out_indices,
@@ -188,7 +193,8 @@ class FLattenSwin(DoublingStageBackbone):
                     window_size=self.window_size, shift=j % 2 == 1,
                     pretrain_hw_shape=self.stage_grid(i))
                 blocks.append(PreNormBlock(dims, attn, mlp_ratio=mlp_ratio, drop_rate=drop_rate,
-                                           drop_path=dpr[cur + j]))
+                                           drop_path=dpr[cur + j],
+                                           recompute_mlp_act=recompute_mlp_act))
             downsample = PatchMerging(dims) if i < self.num_stages - 1 else None
             self.stages.append(SwinStage(blocks, downsample))
             cur += self.depths[i]

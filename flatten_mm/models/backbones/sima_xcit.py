@@ -79,13 +79,16 @@ class XCiTBlock(nn.Module):
         drop_path: stochastic-depth rate.
         layer_scale_init_value: initial value of ``gamma1..3`` (upstream ``eta``).
         norm_layer: factory of the LPI batch norm.
+        recompute_mlp_act: the MLP's GELU output recomputed in the backward instead of
+            kept (``PVTMlp(recompute_act=...)``).
     """
 
     def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float = 4.,
                  attn_cfg: dict = SIMA, qkv_bias: bool = True, drop_rate: float = 0.,
                  attn_drop_rate: float = 0., drop_path: float = 0.,
                  layer_scale_init_value: float = 1.0,
-                 norm_layer: Callable[[int], nn.Module] = nn.BatchNorm2d) -> None:
+                 norm_layer: Callable[[int], nn.Module] = nn.BatchNorm2d,
+                 recompute_mlp_act: bool = True) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(embed_dims, eps=1e-6)
         self.attn = build_attention(attn_cfg, embed_dims=embed_dims, num_heads=num_heads,
@@ -95,7 +98,8 @@ class XCiTBlock(nn.Module):
         self.norm3 = nn.LayerNorm(embed_dims, eps=1e-6)
         self.local_mp = LPI(embed_dims, norm_layer=norm_layer)
         self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
-        self.mlp = PVTMlp(embed_dims, int(embed_dims * mlp_ratio), drop=drop_rate, dwconv=False)
+        self.mlp = PVTMlp(embed_dims, int(embed_dims * mlp_ratio), drop=drop_rate, dwconv=False,
+                          recompute_act=recompute_mlp_act)
         self.gamma1 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.gamma3 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
         self.gamma2 = nn.Parameter(layer_scale_init_value * torch.ones(embed_dims))
@@ -204,6 +208,10 @@ class SimAXCiT(BaseModule):
         norm_eval: keep all batch norms in eval mode (frozen statistics) in training.
         with_cp: gradient checkpointing of every block (same outputs, less memory;
             batch-norm running statistics are updated again in the recomputation).
+        recompute_mlp_act: when training, each MLP's GELU output is recomputed in the
+            backward instead of kept (``PVTMlp``): the same outputs and gradients, a third
+            less MLP activation memory for one elementwise pass per block in the backward;
+            ``False`` keeps it, as timm / mmdet do.
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py`` (the ``fpn``
             parameters are new and keep their random initialisation).
@@ -245,6 +253,7 @@ class SimAXCiT(BaseModule):
                  norm_cfg: Optional[dict] = None,
                  norm_eval: bool = False,
                  with_cp: bool = False,
+                 recompute_mlp_act: bool = True,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         name = type(self).__name__
@@ -289,7 +298,8 @@ class SimAXCiT(BaseModule):
             XCiTBlock(C, self.num_heads, mlp_ratio, self.attn_cfg, qkv_bias=qkv_bias,
                       drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
                       drop_path=drop_path_rate, layer_scale_init_value=layer_scale_init_value,
-                      norm_layer=norm_layer) for _ in range(self.depth)
+                      norm_layer=norm_layer, recompute_mlp_act=recompute_mlp_act)
+            for _ in range(self.depth)
         ])
         # XCiT's dense adapters (upstream names, so XCiT-dense checkpoints load by key),
         # only those of the returned maps

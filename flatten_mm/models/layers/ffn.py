@@ -1,4 +1,4 @@
-"""Feed-forward blocks of the PVT family."""
+"""Feed-forward blocks (the PVT family's, also the MLP of every other backbone's blocks)."""
 from typing import Optional, Tuple
 
 import torch
@@ -52,7 +52,7 @@ class PVTMlp(nn.Module):
             is inactive), the GELU's output is recomputed in the backward from its input
             instead of kept for ``fc2``'s weight gradient (``_GELULinear``): the same
             outputs and gradients, one of the MLP's three hidden-size activations less
-            per block (e.g. a third less activation memory of a PVTv2-b0 training step),
+            per block (e.g. a quarter less activation memory of a PVTv2-b0 training step),
             for one elementwise GELU pass more in the backward. ``False``: plain modules.
     """
 

@@ -24,16 +24,20 @@ class PreNormBlock(nn.Module):
         drop_rate: dropout in the MLP.
         drop_path: stochastic-depth rate of this block.
         norm_eps: epsilon of both LayerNorms.
+        recompute_mlp_act: the MLP's GELU output recomputed in the backward instead of
+            kept (``PVTMlp(recompute_act=...)``).
     """
 
     def __init__(self, embed_dims: int, attn: nn.Module, mlp_ratio: float = 4.,
-                 drop_rate: float = 0., drop_path: float = 0., norm_eps: float = 1e-5) -> None:
+                 drop_rate: float = 0., drop_path: float = 0., norm_eps: float = 1e-5,
+                 recompute_mlp_act: bool = True) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(embed_dims, eps=norm_eps)
         self.attn = attn
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(embed_dims, eps=norm_eps)
-        self.mlp = PVTMlp(embed_dims, int(embed_dims * mlp_ratio), drop=drop_rate, dwconv=False)
+        self.mlp = PVTMlp(embed_dims, int(embed_dims * mlp_ratio), drop=drop_rate, dwconv=False,
+                          recompute_act=recompute_mlp_act)
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape`` map. Returns ``(B, N, C)``."""
