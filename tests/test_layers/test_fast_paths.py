@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flatten_mm.analysis.benchmark.profiling import saved_for_backward
 from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
                                       PVTMlp, QuadTreeAttention, ShiftedWindowAttention,
                                       nchw_to_nlc, nlc_to_nchw)
@@ -138,14 +139,7 @@ def _mlp_step(mlp, x, hw, amp):
     for the backward (other than ``x``'s and the parameters') of one training step."""
     mlp.zero_grad()
     x = x.detach().clone().requires_grad_(True)
-    resident = {t.untyped_storage().data_ptr() for t in [x, *mlp.parameters()]}
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in resident:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+    with saved_for_backward([x, *mlp.parameters()]) as kept, \
             torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
         out = mlp(x, hw)
     out.float().square().sum().backward()

@@ -19,6 +19,7 @@ from conftest import import_interpreted
 
 # (the kernels need Triton: fail, never skip, without it)
 _, qt = import_interpreted('triton', 'flatten_mm.models.layers.quadtree_attention_triton')
+from flatten_mm.analysis.benchmark.profiling import saved_for_backward  # noqa: E402
 from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
 from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
@@ -500,16 +501,8 @@ def _module_run(m, x, hw, amp, projected):
     if not projected:
         attend = type(m).attend
         m.attend = lambda q, k, v, hw_shape, **kwargs: attend(m, q, k, v, hw_shape)
-    resident = {t.untyped_storage().data_ptr() for t in [x, *m.parameters()]}
-    kept = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in resident:
-            kept[ptr] = t.untyped_storage().nbytes()
-        return t
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with saved_for_backward([x, *m.parameters()]) as kept, \
                 torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
             out = m(x, hw)
     finally:

@@ -571,28 +571,58 @@ def _qt_core_check(case: str, attn_type: str, args: argparse.Namespace) -> Dict:
     return rec
 
 
-def _qt_compile_check(case: str, args: argparse.Namespace) -> Dict:
-    """The ``QuadTreeAttention`` module (B, the case's levels / top-k, ``use_triton=None``
-    as the backbones run it) under ``torch.compile(fullgraph=True)`` against eager: output
-    and the gradients of input and parameters, float32. Near ties as in ``_qt_core_check``
-    (from the eager run): the output is compared outside the tokens below one, the
-    gradients only without any."""
+def _qt_module_runner(case: str, attn_type: str, args: argparse.Namespace, seed: int):
+    """The case's ``QuadTreeAttention`` module (``attn_type``, its levels / top-k) and
+    ``run(fn)``: ``[output, input gradient, parameter gradients...]`` of ``fn(x, hw)`` on a
+    fixed input and output gradient (``seed`` offsets the generator)."""
     from flatten_mm.models.layers import QuadTreeAttention
     side, C, h, S, topk = QT_CASES[case]
     dev = getattr(args, 'device', 'cuda')
     torch.manual_seed(args.seed)
-    m = QuadTreeAttention(C, h, attn_type='B', num_levels=S, topk=topk).to(dev)
-    gen = torch.Generator(device=dev).manual_seed(args.seed + 3)
+    m = QuadTreeAttention(C, h, attn_type=attn_type, num_levels=S, topk=topk).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(args.seed + seed)
     x = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
     g = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
-    params = [p for p in m.parameters()]
+    params = list(m.parameters())
 
     def run(fn):
         xl = x.detach().requires_grad_(True)
         out = fn(xl, (side, side))
         grads = torch.autograd.grad(out, [xl] + params, g)
         return [out.detach()] + [t.detach() for t in grads]
+    return m, run
 
+
+def _module_comparison(a: list, ref: list, ties: list, margins: list, case: str, key: str,
+                       args: argparse.Namespace) -> Dict:
+    """Record of module results ``a`` against ``ref`` (``_qt_module_runner``'s lists) under
+    the near-tie rule: the output outside the tokens below a near tie (any head: ``proj``
+    mixes them), the gradients only without any (they mix every token); ``key`` names the
+    ``{'out', 'gradients'}`` maximum relative errors."""
+    side, _, _, S, _ = QT_CASES[case]
+    tie = _tie_masks(ties, S, side)[-1].any(1)  # (B, N)
+    rec = dict(dtype='fp32', min_margin=min(margins), near_tie_tokens=int(tie.sum()),
+               tokens=int(tie.numel()), finite=all(bool(torch.isfinite(t).all()) for t in a))
+    keep = ~tie[..., None]
+    rec[key] = {'out': _max_rel(a[0] * keep, (ref[0] * keep).double())}
+    if rec['near_tie_tokens']:
+        rec['skipped'] = ['gradients']
+        rec['skip_reason'] = (f'{rec["near_tie_tokens"]} of {rec["tokens"]} tokens below a '
+                              f'near-tie top-k (margin < {args.margin_threshold:.0e})')
+    else:
+        rec[key]['gradients'] = max(_max_rel(t, r.double()) for t, r in zip(a[1:], ref[1:]))
+    rec['passed'] = rec['finite'] and max(rec[key].values()) <= args.tol
+    return rec
+
+
+def _qt_compile_check(case: str, args: argparse.Namespace) -> Dict:
+    """The ``QuadTreeAttention`` module (B, the case's levels / top-k, ``use_triton=None``
+    as the backbones run it) under ``torch.compile(fullgraph=True)`` against eager: output
+    and the gradients of input and parameters, float32. Near ties as in ``_qt_core_check``
+    (from the eager run): the output is compared outside the tokens below one, the
+    gradients only without any (``_module_comparison``)."""
+    side, _, _, S, _ = QT_CASES[case]
+    m, run = _qt_module_runner(case, 'B', args, 3)
     margins, ties = [], []
     m.margin_recorder = lambda lvl, mg: margins.append(mg)
     with _near_ties(ties, args.margin_threshold, S, side):
@@ -600,21 +630,7 @@ def _qt_compile_check(case: str, args: argparse.Namespace) -> Dict:
     m.margin_recorder = None  # (a Python callback would break the graph)
     torch._dynamo.reset()
     comp = run(torch.compile(m, backend='inductor', fullgraph=True))
-    tie = _tie_masks(ties, S, side)[-1].any(1)  # (B, N): any head (proj mixes them)
-    rec = dict(dtype='fp32', min_margin=min(margins), near_tie_tokens=int(tie.sum()),
-               tokens=int(tie.numel()),
-               finite=all(bool(torch.isfinite(t).all()) for t in comp))
-    keep = ~tie[..., None]
-    rec['max_rel_vs_eager'] = {'out': _max_rel(comp[0] * keep, (eager[0] * keep).double())}
-    if rec['near_tie_tokens']:  # input / parameter gradients mix every token
-        rec['skipped'] = ['gradients']
-        rec['skip_reason'] = (f'{rec["near_tie_tokens"]} of {rec["tokens"]} tokens below a '
-                              f'near-tie top-k (margin < {args.margin_threshold:.0e})')
-    else:
-        rec['max_rel_vs_eager']['gradients'] = max(
-            _max_rel(a, b.double()) for a, b in zip(comp[1:], eager[1:]))
-    rec['passed'] = rec['finite'] and max(rec['max_rel_vs_eager'].values()) <= args.tol
-    return rec
+    return _module_comparison(comp, eager, ties, margins, case, 'max_rel_vs_eager', args)
 
 
 def _qt_module_check(case: str, attn_type: str, args: argparse.Namespace) -> Dict:
@@ -623,16 +639,9 @@ def _qt_module_check(case: str, attn_type: str, args: argparse.Namespace) -> Dic
     (``final_level_projected_triton``: the finest query and key, and A's value, recomputed
     from the block input in the backward), against ``use_triton=False``: output and the
     gradients of input and parameters, float32. Near ties as in ``_qt_compile_check``."""
-    from flatten_mm.models.layers import QuadTreeAttention
     from flatten_mm.models.layers import quadtree_attention_triton as qt_triton
-    side, C, h, S, topk = QT_CASES[case]
-    dev = getattr(args, 'device', 'cuda')
-    torch.manual_seed(args.seed)
-    m = QuadTreeAttention(C, h, attn_type=attn_type, num_levels=S, topk=topk).to(dev)
-    gen = torch.Generator(device=dev).manual_seed(args.seed + 4)
-    x = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
-    g = torch.randn(args.batch, side * side, C, device=dev, generator=gen)
-    params = list(m.parameters())
+    side, _, _, S, _ = QT_CASES[case]
+    m, run = _qt_module_runner(case, attn_type, args, 4)
     calls = []
     real = qt_triton.final_level_projected_triton
 
@@ -640,38 +649,22 @@ def _qt_module_check(case: str, attn_type: str, args: argparse.Namespace) -> Dic
         calls.append(1)
         return real(*a, **kw)
 
-    def run(flag):
+    def flagged(flag):
         m.use_triton = flag
-        xl = x.detach().requires_grad_(True)
-        out = m(xl, (side, side))
-        grads = torch.autograd.grad(out, [xl] + params, g)
-        return [out.detach()] + [t.detach() for t in grads]
+        return run(m)
 
     margins, ties = [], []
     m.margin_recorder = lambda lvl, mg: margins.append(mg)
     qt_triton.final_level_projected_triton = spy
     try:
         with _near_ties(ties, args.margin_threshold, S, side):
-            kern = run(True)
-            torch_path = run(False)
+            kern = flagged(True)
+            torch_path = flagged(False)
     finally:
         qt_triton.final_level_projected_triton = real
-    tie = _tie_masks(ties, S, side)[-1].any(1)  # (B, N): any head (proj mixes them)
-    rec = dict(attn_type=attn_type, dtype='fp32', projected_path=len(calls) == 1,
-               min_margin=min(margins), near_tie_tokens=int(tie.sum()),
-               tokens=int(tie.numel()),
-               finite=all(bool(torch.isfinite(t).all()) for t in kern))
-    keep = ~tie[..., None]
-    rec['max_rel'] = {'out': _max_rel(kern[0] * keep, (torch_path[0] * keep).double())}
-    if rec['near_tie_tokens']:
-        rec['skipped'] = ['gradients']
-        rec['skip_reason'] = (f'{rec["near_tie_tokens"]} of {rec["tokens"]} tokens below a '
-                              f'near-tie top-k (margin < {args.margin_threshold:.0e})')
-    else:
-        rec['max_rel']['gradients'] = max(
-            _max_rel(a, b.double()) for a, b in zip(kern[1:], torch_path[1:]))
-    rec['passed'] = (rec['projected_path'] and rec['finite']
-                     and max(rec['max_rel'].values()) <= args.tol)
+    rec = dict(attn_type=attn_type, projected_path=len(calls) == 1,
+               **_module_comparison(kern, torch_path, ties, margins, case, 'max_rel', args))
+    rec['passed'] &= rec['projected_path']
     return rec
 
 

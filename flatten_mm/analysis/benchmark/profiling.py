@@ -80,6 +80,24 @@ _VIEW_OPS = frozenset((
     'size', 'stride', 'dim', 'numel', 'is_contiguous'))
 
 
+
+@contextlib.contextmanager
+def saved_for_backward(exclude: Sequence[torch.Tensor] = ()) -> Iterator[Dict[int, int]]:
+    """Inside the block, the storages autograd saves for the backward pass, each once
+    (data pointer -> bytes; a view counts its whole storage), those of ``exclude`` (e.g.
+    the parameters) left out: the yielded dict fills as the forward runs."""
+    resident = {t.untyped_storage().data_ptr() for t in exclude}
+    saved: Dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in resident:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
 def _outermost(model: nn.Module, pattern) -> List[nn.Module]:
     found: List[nn.Module] = []
 
@@ -251,18 +269,9 @@ def _profile_backbone(model: nn.Module, run: Callable[[torch.Tensor], Any], x: t
         hooks.append(att.register_forward_hook(post, with_kwargs=True))
     # activations saved for the backward pass (unique storages, parameters and buffers
     # excluded): the device-independent part of a training step's peak memory
-    resident = {t.untyped_storage().data_ptr() for t in
-                list(model.parameters()) + list(model.buffers())}
-    saved: Dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in resident:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter.mode:
+        with saved_for_backward(list(model.parameters()) + list(model.buffers())) as saved, \
+                counter.mode:
             out = forward()
         ops_f, bytes_f, attn_bytes = counter.ops, counter.bytes, counter.attn_bytes
         outs, grads = loss_grads(out)
