@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .amp import autocast_operands
+from .autograd_paths import autocast_operands, recorded_eagerly
 from .conv import token_conv
 
 
@@ -72,11 +72,9 @@ class PVTMlp(nn.Module):
         """Whether ``_GELULinear`` runs: asked for, autograd records it (eagerly: not under
         tracing, scripting or ONNX export), the activation is a GELU (it may have been
         swapped) and no dropout sits between it and ``fc2``."""
-        return (self.recompute_act and torch.is_grad_enabled()
-                and (x.requires_grad or any(p.requires_grad for p in self.fc2.parameters()))
-                and type(self.act) is nn.GELU and not (self.training and self.drop.p > 0)
-                and not (torch.jit.is_scripting() or torch.jit.is_tracing()
-                         or torch.onnx.is_in_onnx_export()))
+        return (self.recompute_act and type(self.act) is nn.GELU
+                and not (self.training and self.drop.p > 0)
+                and recorded_eagerly(x, *self.fc2.parameters()))
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         x = self.relu(self.fc1(x))

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .autograd_paths import autocast_operands
 from .conv import map_as_tokens, tokens_as_map
 
 #: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
@@ -843,11 +844,9 @@ def fla_projected_triton(q: Optional[torch.Tensor], x: torch.Tensor, weight: tor
         ValueError: inputs it does not take (``check_projected_inputs``, ``check_inputs``).
     """
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):  # what nn.Linear / nn.Conv2d would run in
-        dt = torch.get_autocast_dtype(dev)
-        x, weight, dwc_weight = x.to(dt), weight.to(dt), dwc_weight.to(dt)
-        bias = None if bias is None else bias.to(dt)
-        dwc_bias = None if dwc_bias is None else dwc_bias.to(dt)
+    # (what nn.Linear / nn.Conv2d would run in under autocast)
+    x, weight, bias, dwc_weight, dwc_bias = autocast_operands(x, weight, bias, dwc_weight,
+                                                              dwc_bias)
     why = (check_projected_inputs(q, x, weight, bias, dwc_weight, dwc_bias, hw_shape)
            or check_inputs(x if q is None else q, x, x, scale, num_heads, focusing_factor,
                            k_pos))

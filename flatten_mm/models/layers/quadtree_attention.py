@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import cpu_kernels
-from .amp import autocast_operands
+from .autograd_paths import autocast_operands, recorded_eagerly
 from .conv import tokens_as_map
 from .focused_linear_attention import _check_use_triton, triton_env_enabled
 
@@ -332,15 +332,6 @@ def _weighted_rows_sum(weight: torch.Tensor, value: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- layout helpers
-def _recorded_eagerly(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records an op on ``tensors`` (one of them requires a gradient, in
-    grad mode) outside tracing, scripting and ONNX export: where the memory-saving autograd
-    paths below (``_AvgPool2x2``, checkpoints) apply."""
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            and not (torch.jit.is_scripting() or torch.jit.is_tracing()
-                     or torch.onnx.is_in_onnx_export()))
-
-
 class _AvgPool2x2(torch.autograd.Function):
     """``F.avg_pool2d(x, 2, 2)`` of an even-sided map whose backward needs only the shape:
     nothing is saved (the autograd node of ``avg_pool2d`` keeps its input alive, a whole
@@ -367,7 +358,7 @@ class _AvgPool2x2(torch.autograd.Function):
 def _avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
     """2x2 average pooling of an even-sided ``(B, C, H, W)`` map (a pyramid level); with
     autograd, by ``_AvgPool2x2`` (saves nothing)."""
-    if x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0 and _recorded_eagerly(x):
+    if x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0 and recorded_eagerly(x):
         return _AvgPool2x2.apply(x)
     return F.avg_pool2d(x, 2, 2)
 
@@ -459,7 +450,7 @@ class LePEConv:
 
     def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         v = self.value
-        if self.recompute and v.dtype != torch.float32 and _recorded_eagerly(
+        if self.recompute and v.dtype != torch.float32 and recorded_eagerly(
                 v, *self.conv.parameters(), *([scale] if scale is not None else [])):
             # (no random op: no RNG state to restore)
             return checkpoint(self._apply, v, scale, use_reentrant=False,
@@ -657,29 +648,26 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                 sel = attn.topk(topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
                 idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
                 del attn, sel
-            if attn_type == 'B':
-                # the level weight is applied in the kernel (its gradient from the
-                # backward's per-row g . out, no saved unweighted messages) and folded into
-                # the LePE conv
-                scale = level_weights[i] if level_weights is not None else None
-                if final and projections is not None and not inference:
-                    raw = qt_triton.final_level_projected_triton(
-                        q, k, v, index, scale, iw, projections, (hi, wi), h, temp, 'B')
-                else:
-                    raw = qt_triton.final_level_b_triton(q, k, v, index, scale, iw)
-                msg = _children_to_raster(raw, (hi, wi))
-                if scale is not None:
-                    weighted.add(i)
-                    if lepes is not None:
-                        msg = msg.add_(lepe(i, scale)) if inference else msg + lepe(i, scale)
-                        lepe_added.add(i)
-            elif final and projections is not None and not inference:
-                msg = _children_to_raster(qt_triton.final_level_projected_triton(
-                    q, k, v, index, prev_score, iw, projections, (hi, wi), h, temp, 'A'),
-                    (hi, wi))
+            # B: the level weight is applied in the kernel (its gradient from the backward's
+            # per-row g . out, no saved unweighted messages) and folded into the LePE conv;
+            # A: the kernel scales by the coarser level's scores
+            scale = level_weights[i] if attn_type == 'B' and level_weights is not None \
+                else None
+            extra = scale if attn_type == 'B' else prev_score
+            if final and projections is not None and not inference:
+                # (its backward recomputes the finest maps from the block input)
+                raw = qt_triton.final_level_projected_triton(
+                    q, k, v, index, extra, iw, projections, (hi, wi), h, temp, attn_type)
+            elif attn_type == 'B':
+                raw = qt_triton.final_level_b_triton(q, k, v, index, extra, iw)
             else:
-                msg = _children_to_raster(
-                    qt_triton.final_level_a_triton(q, k, v, index, prev_score, iw), (hi, wi))
+                raw = qt_triton.final_level_a_triton(q, k, v, index, extra, iw)
+            msg = _children_to_raster(raw, (hi, wi))
+            if attn_type == 'B' and scale is not None:
+                weighted.add(i)
+                if lepes is not None:
+                    msg = msg.add_(lepe(i, scale)) if inference else msg + lepe(i, scale)
+                    lepe_added.add(i)
             messages.append(msg)
             if not final:
                 prev_idx, prev_score = _children_to_raster(idx_i, (hi, wi)), None
@@ -1058,7 +1046,7 @@ class QuadTreeAttention(nn.Module):
         """B's value map of the next coarser level (``value_branchs[t]``; recomputed in the
         backward when ``recompute_values`` and autograd records it)."""
         branch = self.value_branchs[t]
-        if self.recompute_values and _recorded_eagerly(v, *branch.parameters()):
+        if self.recompute_values and recorded_eagerly(v, *branch.parameters()):
             # (no random op in a branch: no RNG state to restore)
             return checkpoint(branch, v, use_reentrant=False, preserve_rng_state=False)
         return branch(v)

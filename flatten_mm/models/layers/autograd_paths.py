@@ -1,4 +1,5 @@
-"""Autocast helpers for the fused paths that run their matmuls outside autocast."""
+"""Helpers of the layers' own autograd paths (custom ``autograd.Function``s, recomputation):
+when they apply, and the autocast casts of the fused paths that run outside autocast."""
 from typing import Optional, Tuple
 
 import torch
@@ -16,3 +17,12 @@ def autocast_operands(*tensors: Optional[torch.Tensor]) -> Tuple[Optional[torch.
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point()
                  and t.dtype != torch.float64 else t for t in tensors)
+
+
+def recorded_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensors`` (one of them requires a gradient, in
+    grad mode) outside tracing, scripting and ONNX export: where the memory-saving
+    autograd paths (custom functions, checkpoints) apply."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not (torch.jit.is_scripting() or torch.jit.is_tracing()
+                     or torch.onnx.is_in_onnx_export()))
