@@ -1,5 +1,5 @@
 """``tools/deployment/export_sweep.py`` (the per-family export record behind
-docs/deploy_support.csv): it picks one config per family and model kind, the smallest
+docs/reports/deploy_support.csv): it picks one config per family and model kind, the smallest
 arch, and shrinks the backbone with necks and heads following its channels."""
 import os.path as osp
 import sys

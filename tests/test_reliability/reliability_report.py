@@ -1,11 +1,11 @@
-"""Collects what each bad input produced, for ``docs/reliability.md``.
+"""Collects what each bad input produced, for ``docs/reports/bad_inputs.md``.
 
 Tests call ``record(case, backbone, trigger, outcome)``. When the environment variable
 ``FLATTEN_MM_RELIABILITY_DOC`` names a markdown file, the records are written into it
 at interpreter exit, between the markers ``<!-- generated: begin -->`` and
 ``<!-- generated: end -->`` (the rest of the file is kept). Regenerate with::
 
-    FLATTEN_MM_RELIABILITY_DOC=docs/reliability.md python -m pytest tests/test_reliability -q
+    FLATTEN_MM_RELIABILITY_DOC=docs/reports/bad_inputs.md python -m pytest tests/test_reliability -q
 """
 import atexit
 import os

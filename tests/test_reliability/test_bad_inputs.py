@@ -2,7 +2,7 @@
 
 Parametrised over ``flatten_mm.registry.MODELS``: a new backbone is covered as soon as it
 is registered (and fails here until ``backbone_specs.TINY_ARCHS`` has a tiny arch for it).
-Each outcome is recorded for ``docs/reliability.md`` (see ``reliability_report``).
+Each outcome is recorded for ``docs/reports/bad_inputs.md`` (see ``reliability_report``).
 """
 import math
 

@@ -2,10 +2,10 @@
 
     python tools/analysis/swap_sweep.py [--backbone flatten-pvt-v2-b0] [--size 128]
         [--scopes mmdet mmseg] [--families atss fcos ...] [--no-train]
-        [--csv docs/swap_support.csv] [--md docs/swap_support.md] [--fresh]
+        [--csv docs/reports/swap_support.csv] [--md docs/reports/swap_support.md] [--fresh]
         [--redo failed ...]
     python tools/analysis/swap_sweep.py --all-configs [--run] [--families ...]
-        [--time-limit 120] [--csv docs/swap_support_all.csv] [--md docs/swap_support_all.md]
+        [--time-limit 120] [--csv docs/reports/swap_support_all.csv] [--md docs/reports/swap_support_all.md]
         [--fresh] [--redo failed ...]
 
 Writes one CSV row per family (--all-configs: per config) as it goes (a rerun skips
@@ -82,24 +82,24 @@ def main(argv=None) -> int:
     p.add_argument('--no-train', action='store_true', help='forward only')
     p.add_argument('--all-configs', action='store_true',
                    help='every config of every family: swap and build only (no forward '
-                   'or training); default CSV / Markdown docs/swap_support_all.*')
+                   'or training); default CSV / Markdown docs/reports/swap_support_all.*')
     p.add_argument('--run', action='store_true',
                    help='with --all-configs: also run (forward + one training step) every '
                    'built config not run yet; identical configs are run once')
     p.add_argument('--time-limit', type=int, default=None,
                    help='seconds per check (default 600; --all-configs: 120 per config '
                    'step)')
-    p.add_argument('--csv', help='default docs/swap_support.csv '
-                   '(--all-configs: docs/swap_support_all.csv)')
-    p.add_argument('--md', help='default docs/swap_support.md '
-                   '(--all-configs: docs/swap_support_all.md)')
+    p.add_argument('--csv', help='default docs/reports/swap_support.csv '
+                   '(--all-configs: docs/reports/swap_support_all.csv)')
+    p.add_argument('--md', help='default docs/reports/swap_support.md '
+                   '(--all-configs: docs/reports/swap_support_all.md)')
     p.add_argument('--fresh', action='store_true', help='start a new CSV')
     p.add_argument('--redo', nargs='+', default=[], metavar='STATUS',
                    help='run again the families whose row has one of these statuses '
                    '(e.g. failed)')
     p.add_argument('--render-only', action='store_true')
     args = p.parse_args(argv)
-    stem = 'docs/swap_support_all' if args.all_configs else 'docs/swap_support'
+    stem = 'docs/reports/swap_support_all' if args.all_configs else 'docs/reports/swap_support'
     args.csv = args.csv or f'{stem}.csv'
     args.md = args.md if args.md is not None else f'{stem}.md'
     args.run_time_limit = args.time_limit or 600

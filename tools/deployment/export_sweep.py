@@ -2,7 +2,7 @@
 record what came out: dynamic or fixed size (and why), outputs, the worst ONNX Runtime vs
 PyTorch difference at each checked size, export time.
 
-    python tools/deployment/export_sweep.py [--out docs/deploy_support.csv] [--only REGEX]
+    python tools/deployment/export_sweep.py [--out docs/reports/deploy_support.csv] [--only REGEX]
         [--update]
 
 The backbone of each config is shrunk to the reliability suite's tiny arch of its class
@@ -117,7 +117,7 @@ def run_one(rel, kind, hw, tmpdir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--out', default=osp.join(ROOT, 'docs', 'deploy_support.csv'))
+    p.add_argument('--out', default=osp.join(ROOT, 'docs', 'reports', 'deploy_support.csv'))
     p.add_argument('--only', help='regex on the config path')
     p.add_argument('--shape', type=int, nargs=2, default=(128, 160))
     p.add_argument('--update', action='store_true',
