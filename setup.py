@@ -5,9 +5,17 @@ requirements here: mmcv 2.1.0 must be built from source against the installed
 torch and mmdet/mmseg carry outdated pins. ``scripts/setup_env.sh`` installs
 them; the extras below list their runtime needs.
 """
+import os
 import os.path as osp
+import shutil
+import sys
 
 from setuptools import find_packages, setup
+
+ROOT = osp.dirname(osp.abspath(__file__))
+#: what mim (OpenMMLab's package manager) reads from ``flatten_mm/.mim``: the model
+#: index with its metafiles, the configs they name, and the tools
+MIM_FILES = ('model-index.yml', 'configs', 'tools')
 
 
 def read_version() -> str:
@@ -17,6 +25,43 @@ def read_version() -> str:
     return scope['__version__']
 
 
+def add_mim_extension() -> None:
+    """Put ``model-index.yml``, ``configs/`` and ``tools/`` under ``flatten_mm/.mim``.
+
+    ``mim search flatten_mm`` reads ``<installed package>/.mim/model-index.yml`` and the
+    metafiles / configs it names (as for mmdet and mmseg, whose ``setup.py`` does the
+    same). Building a wheel or an sdist copies them; an editable install (``pip install
+    -e .``: ``editable_wheel``, or the legacy ``develop``) links them, so edits show up.
+    Other commands (``egg_info``, ``dist_info``) leave ``.mim`` as it is. Building from
+    an sdist (no ``configs/`` next to ``setup.py``) keeps the sdist's copy.
+    """
+    if 'develop' in sys.argv or 'editable_wheel' in sys.argv:
+        mode = 'copy' if os.name == 'nt' else 'symlink'
+    elif {'sdist', 'bdist_wheel', 'build', 'build_py', 'install'} & set(sys.argv):
+        mode = 'copy'
+    else:
+        return
+    mim_path = osp.join(ROOT, 'flatten_mm', '.mim')
+    os.makedirs(mim_path, exist_ok=True)
+    for name in MIM_FILES:
+        src = osp.join(ROOT, name)
+        if not osp.exists(src):
+            continue
+        dst = osp.join(mim_path, name)
+        if osp.islink(dst) or osp.isfile(dst):
+            os.remove(dst)
+        elif osp.isdir(dst):
+            shutil.rmtree(dst)
+        if mode == 'symlink':
+            os.symlink(osp.relpath(src, mim_path), dst)
+        elif osp.isfile(src):
+            shutil.copyfile(src, dst)
+        else:
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns('__pycache__', '*.pyc'))
+
+
+add_mim_extension()
+
 setup(
     name='flatten_mm',
     version=read_version(),
@@ -25,8 +70,13 @@ setup(
     if osp.exists(osp.join(osp.dirname(__file__), 'README.md')) else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['flatten_mm', 'flatten_mm.*']),
-    # C++ source of the optional CPU kernels, compiled on first use (cpu_kernels.py)
-    package_data={'flatten_mm.models.layers': ['csrc/*.cpp']},
+    # C++ source of the optional CPU kernel, compiled on first use (ops/quadtree_cpu.py)
+    package_data={
+        'flatten_mm.models.ops': ['csrc/*.cpp'],
+        # the mim extension (add_mim_extension above)
+        'flatten_mm': ['.mim/model-index.yml', '.mim/configs/**/*.py', '.mim/configs/**/*.yml',
+                       '.mim/configs/**/*.md', '.mim/tools/**/*.py', '.mim/tools/**/*.sh'],
+    },
     python_requires='>=3.9',
     install_requires=[
         'torch>=2.0',
@@ -44,7 +94,10 @@ setup(
                 'matplotlib'],
         'seg': ['addict', 'packaging', 'Pillow', 'pyyaml', 'yapf', 'opencv-python',
                 'prettytable', 'ftfy', 'regex', 'scipy', 'matplotlib'],
-        'dev': ['pytest', 'pytest-timeout', 'fvcore'],
+        # openmim: `mim search flatten_mm` (tests/test_docs.py). 0.3.7 is the last release
+        # without the opendatalab -> openxlab dependency, which pins setuptools~=60.2,
+        # requests~=2.28.2 and packaging~=24.0 and would downgrade them here.
+        'dev': ['pytest', 'pytest-timeout', 'fvcore', 'openmim==0.3.7'],
         # ONNX export (torch.onnx dynamo exporter) and ONNX Runtime (flatten_mm.deploy)
         'deploy': ['onnx==1.23.2', 'onnxruntime==1.32.0', 'onnxscript==0.7.2'],
     },

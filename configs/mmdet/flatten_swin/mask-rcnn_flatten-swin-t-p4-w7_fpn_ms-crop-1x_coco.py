@@ -6,7 +6,7 @@
 # random-crop policy, AdamW lr 1e-4, weight decay 0.05 (none on norms, relative position
 # bias tables, FLA positional encodings and FLA `scale`), batch 16 (8 GPUs x 2),
 # 12 epochs (steps 8/11), single-scale test 1333x800, drop path 0.1.
-# See README.md and shared/spec/results.md section 1.4.
+# See README.md (training recipe).
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     '../../_base_/mmdet/coco-instance_ms-crop.py',
