@@ -12,8 +12,9 @@ when the config cannot be adapted or NEW_CONFIG exists (without ``--force``).
 ``--verify`` builds the new model on CPU and runs one forward; ``--train-smoke`` runs one
 training iteration on real images through the config's own train pipeline (its dataset,
 else the bundled demo images; a synthetic batch when that pipeline cannot run on them,
-see ``flatten_mm/analysis/swap_demo.py``) and checks that the losses are finite and every
-trainable backbone parameter gets a gradient (exit status 1 if not).
+see ``flatten_mm/analysis/swap_demo.py``) and checks that the losses and gradients are
+finite and every trainable backbone parameter gets a gradient (if not: exit status 1 and
+an error line saying which).
 """
 import argparse
 import os.path as osp
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
             return 1
         print(report.summary())
         if not report.ok:
-            print('error: the training iteration did not give finite losses and a gradient '
-                  'to every backbone parameter', file=sys.stderr)
+            print('error: --train-smoke failed: ' + '; '.join(report.failures), file=sys.stderr)
             return 1
     return 0
 

@@ -54,9 +54,26 @@ class SmokeReport:
     batch: str = ''
 
     @property
+    def failures(self) -> List[str]:
+        """Why the iteration is not one a training job can start from (empty when ``ok``):
+        non-finite losses, trainable backbone parameters without a gradient, non-finite
+        gradients."""
+        out = []
+        bad = [k for k, v in self.losses.items() if not math.isfinite(v)]
+        if bad:
+            out.append('non-finite losses: ' + ', '.join(bad))
+        if self.no_grad:
+            out.append(f'{len(self.no_grad)} trainable backbone parameter tensors received no '
+                       'gradient: ' + ', '.join(self.no_grad[:5])
+                       + (' ...' if len(self.no_grad) > 5 else ''))
+        if self.nonfinite:
+            out.append(f'{len(self.nonfinite)} parameter tensors have a non-finite gradient: '
+                       + ', '.join(self.nonfinite[:5]) + (' ...' if len(self.nonfinite) > 5 else ''))
+        return out
+
+    @property
     def ok(self) -> bool:
-        return (all(math.isfinite(v) for v in self.losses.values()) and not self.no_grad
-                and not self.nonfinite)
+        return not self.failures
 
     def summary(self) -> str:
         loss = ', '.join(f'{k}={v:.4g}' for k, v in self.losses.items())
