@@ -14,6 +14,11 @@ os.environ.setdefault('TRITON_INTERPRET', '1')
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# in CI (CI / FLATTEN_MM_REQUIRE_ALL set) a skip for a missing mmdet / mmseg / mmcv /
+# onnxruntime / triton fails instead (tests/required_packages.py)
+from required_packages import (pytest_make_collect_report,  # noqa: E402,F401
+                               pytest_runtest_makereport)
+
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SHARED_DIR = os.environ.get('FLATTEN_MM_SHARED', osp.join(osp.dirname(REPO_ROOT), 'shared'))
 FIXTURES_DIR = osp.join(SHARED_DIR, 'fixtures')

@@ -16,11 +16,9 @@ import torch
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), '..', 'test_reliability'))
 from backbone_specs import build, registered_backbones  # noqa: E402
 
-try:  # a hard requirement: the environment the README builds installs the deploy extra
-    import onnxruntime  # noqa: F401
-except ImportError as e:
-    raise ImportError('tests/test_deploy need the deploy extra: pip install -e .[deploy] '
-                      '(scripts/setup_env.sh installs it)') from e
+# the deploy extra (pip install -e .[deploy]; scripts/setup_env.sh installs it): skipped
+# without it, an error in CI (tests/required_packages.py)
+pytest.importorskip('onnxruntime')
 
 from flatten_mm.deploy import OnnxModel, backbone_target, export_onnx  # noqa: E402
 from flatten_mm.deploy.export import compare_with_pytorch  # noqa: E402

@@ -5,14 +5,12 @@ sizes; Mask R-CNN exports whole (RPN proposals with NMS, RoI bbox and mask heads
 import os.path as osp
 import sys
 
-import onnx
 import pytest
 
-try:  # a hard requirement: the environment the README builds installs the deploy extra
-    import onnxruntime  # noqa: F401
-except ImportError as e:
-    raise ImportError('tests/test_deploy need the deploy extra: pip install -e .[deploy] '
-                      '(scripts/setup_env.sh installs it)') from e
+# the deploy extra (pip install -e .[deploy]; scripts/setup_env.sh installs it): skipped
+# without it, an error in CI (tests/required_packages.py)
+pytest.importorskip('onnxruntime')
+import onnx  # noqa: E402
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 sys.path.insert(0, osp.join(ROOT, 'tools', 'deployment'))
