@@ -90,22 +90,28 @@ def test_forward_uses_resolved_order(monkeypatch):
     assert seen[-1] == 'qk_first'
 
 
+# max |out - fp32| / max |fp32|, measured for seeds 0-3 (2-core AMD EPYC, torch 2.14):
+# bf16 2.5e-3 .. 2.9e-3, fp16 4.6e-4 .. 5.0e-4 (the output's own rounding: a third / half
+# of each format's eps); the bounds are twice the largest
+AUTOCAST_ERROR = {torch.bfloat16: 6e-3, torch.float16: 1e-3}
+
+
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_autocast_is_finite_and_accurate_at_many_tokens(dtype):
+    """bf16 / fp16 autocast on CPU at 16384 tokens (L1-normalised entries ~1e-4, which a
+    half-precision core would flush or overflow): finite, in the autocast dtype, within
+    the measured error of the float32 result."""
     torch.manual_seed(0)
     module = SimAAttention(64, 2).eval()
-    x = torch.randn(1, 128 * 128, 64)  # 16384 tokens: L1-normalised entries ~1e-4
+    x = torch.randn(1, 128 * 128, 64)
     with torch.no_grad():
         ref = module(x, (128, 128))
-        try:
-            with torch.autocast('cpu', dtype=dtype):
-                out = module(x, (128, 128))
-        except RuntimeError as err:  # autocast dtype not supported on this CPU build
-            pytest.skip(str(err))
+        with torch.autocast('cpu', dtype=dtype):
+            out = module(x, (128, 128))
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
     err = (out.float() - ref).abs().max() / ref.abs().max()
-    assert err < 3e-2, err
+    assert err <= AUTOCAST_ERROR[dtype], err
 
 
 def test_core_runs_in_float32_under_autocast(monkeypatch):
