@@ -1,8 +1,9 @@
 """Behaviour shared by the doubling-width four-stage backbones (FLattenSwin, FLattenCSWin;
 ``DoublingStageBackbone``), tested on tiny archs of each: output contract at any input
-size, out_indices / output norms, gradients, checkpointing, freezing, positional-table
-bookkeeping, pretrained loading, autocast and float64 parity with the official code.
-Family-specific structure is tested in ``test_flatten_swin.py`` / ``test_flatten_cswin.py``."""
+size, out_indices / output norms, gradients, checkpointing, positional-table
+bookkeeping, pretrained loading, autocast and float64 parity with the official code
+(``frozen_stages``: test_freezing_and_loading.py, every family). Family-specific
+structure is tested in ``test_flatten_swin.py`` / ``test_flatten_cswin.py``."""
 import math
 from typing import NamedTuple, Tuple
 
@@ -21,7 +22,6 @@ class Family(NamedTuple):
     tiny: dict  # arch of the tiny model
     geometry: dict  # tiny pretraining grid and window / stripe width
     norm_offset: int  # stage i is normalised by `norm{i + norm_offset}`
-    stem: Tuple[str, ...]  # modules frozen with frozen_stages >= 0 besides the stages
     grad_hw: Tuple[int, int]  # input for the gradient test
     pe_calls: list  # positional-table resizes of the tiny model at a 100x36 input
     bf16_arch: dict  # realistic widths (of the -T variant), fewer blocks: see the bf16 test
@@ -32,14 +32,14 @@ class Family(NamedTuple):
 FAMILIES = {
     'flatten-swin': Family(
         FLattenSwin, dict(embed_dims=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4)),
-        dict(pretrain_img_size=64, window_size=4), 0, ('patch_embed', ),
+        dict(pretrain_img_size=64, window_size=4), 0,
         (160, 96),  # stage 3 is 10x6: several shifted windows
         [((16, 16), (25, 9))] * 2 + [((8, 8), (13, 5))] * 2,
         dict(embed_dims=96, depths=(1, 1, 2, 1), num_heads=(3, 6, 12, 24)),
         dict(pretrain_img_size=224, window_size=7), 'flatten_swin_*.pt'),
     'flatten-cswin': Family(
         FLattenCSWin, dict(embed_dims=8, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4)),
-        dict(pretrain_img_size=64, split_size=2), 1, ('stages.0.patch_embed', ),
+        dict(pretrain_img_size=64, split_size=2), 1,
         (112, 80),
         [((16, 16), (25, 9))] * 1 + [((8, 8), (13, 5))] * 2,
         dict(embed_dims=64, depths=(1, 1, 2, 1), num_heads=(2, 4, 8, 16)),
@@ -129,27 +129,6 @@ def test_with_cp_is_output_identical(fam):
     cp = build(fam, drop_path_rate=0., with_cp=True).train()
     cp.load_state_dict(ref.state_dict())
     assert_checkpointing_matches(ref, cp, torch.randn(1, 3, 72, 56, requires_grad=True))
-
-
-@family_param
-@pytest.mark.parametrize('frozen', [-1, 0, 2])
-def test_frozen_stages(fam, frozen):
-    """mmdet's Swin convention: the stem for frozen >= 0, stages 0..frozen-1 with their
-    output norms (exact parameter sets for every family: test_freezing_and_loading.py)."""
-    model = build(fam, frozen_stages=frozen)
-    model.train()
-    for name in fam.stem:
-        stem = model.get_submodule(name)
-        assert {p.requires_grad for p in stem.parameters()} == {frozen < 0}
-        assert stem.training == (frozen < 0)
-    for i, stage in enumerate(model.stages):
-        trainable = i >= frozen
-        stage_params = {p for n, p in stage.named_parameters()
-                        if not (i == 0 and n.startswith('patch_embed.'))}  # CSwin's stem
-        assert {p.requires_grad for p in stage_params} == {trainable}
-        assert stage.blocks.training == trainable
-        norm = output_norm(model, fam, i)
-        assert {p.requires_grad for p in norm.parameters()} == {trainable}
 
 
 @family_param

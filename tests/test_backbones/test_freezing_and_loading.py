@@ -37,7 +37,8 @@ def _pvt(cls, **extra):
     return lambda **kw: cls(arch=PVT_TINY, **extra, **kw)
 
 
-PVT_STEM = ['stages.0.patch_embed.', 'stages.0.pos_embed']
+# PVT v1's dropout after the stage-1 position table is stem too (no parameters)
+PVT_STEM = ['stages.0.patch_embed.', 'stages.0.pos_embed', 'stages.0.pos_drop.']
 
 
 def pvt_stage(i):
@@ -52,7 +53,7 @@ FAMILIES: Dict[str, Family] = {
                             pvt_stage, (192, 192)),
     'FLattenSwin': Family(
         lambda **kw: FLattenSwin(arch=SWIN_TINY, pretrain_img_size=64, window_size=4, **kw),
-        4, ['patch_embed.'], lambda i: [f'stages.{i}.', f'norm{i}.'], (96, 64)),
+        4, ['patch_embed.', 'pos_drop.'], lambda i: [f'stages.{i}.', f'norm{i}.'], (96, 64)),
     'FLattenCSWin': Family(
         lambda **kw: FLattenCSWin(arch=CSWIN_TINY, pretrain_img_size=64, split_size=2, **kw),
         4, ['stages.0.patch_embed.'], lambda i: [f'stages.{i}.', f'norm{i + 1}.'], (64, 64)),
@@ -64,18 +65,22 @@ FAMILIES: Dict[str, Family] = {
 PYRAMIDS = [n for n in FAMILIES if n != 'SimAXCiT']  # PVT family, Swin, CSwin
 
 
+def frozen_prefixes(fam: Family, k: int) -> tuple:
+    return tuple((fam.stem if k >= 0 else []) + [p for i in range(k) for p in fam.stage(i)])
+
+
 def expected_frozen(model, fam: Family, k: int) -> set:
-    prefixes = (fam.stem if k >= 0 else []) + [p for i in range(k) for p in fam.stage(i)]
-    return {n for n, _ in model.named_parameters() if n.startswith(tuple(prefixes))}
+    return {n for n, _ in model.named_parameters() if n.startswith(frozen_prefixes(fam, k))}
 
 
 # ---------------------------------------------------------------------------- frozen_stages
 @pytest.mark.parametrize('name', list(FAMILIES))
-@pytest.mark.parametrize('k', [-1, 0, 1, 'all'])
+@pytest.mark.parametrize('k', [-1, 0, 1, 2, 'all'])
 def test_frozen_stages_follow_mmdet(name, k):
     """Exactly the mmdet set has ``requires_grad=False`` (stem for 0, stem + stages 0..k-1
-    for k >= 1, everything for num_stages), and the frozen modules stay in eval mode
-    after ``train()`` while the others train."""
+    for k >= 1, everything for num_stages), and after ``train()`` every module of the
+    frozen part (dropouts and drop paths included) stays in eval mode while every module
+    with only trainable parameters, or none outside the frozen part, trains."""
     fam = FAMILIES[name]
     k = fam.num_stages if k == 'all' else k
     model = fam.build(frozen_stages=k)
@@ -87,14 +92,16 @@ def test_frozen_stages_follow_mmdet(name, k):
         assert not frozen
     if k == 0:
         assert frozen and all(n.startswith(tuple(fam.stem)) for n in frozen)
+    if k >= 1:
+        assert {n for n in frozen if not n.startswith(tuple(fam.stem))}
     if k == fam.num_stages and name != 'SimAXCiT':  # SimA's fpn adapters never freeze
         assert frozen == {n for n, _ in model.named_parameters()}
+    prefixes = frozen_prefixes(fam, k)
     for mod_name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
-        if own and not list(module.children()):  # a layer trains iff its weights do
-            assert module.training == own[0].requires_grad, mod_name
-    if name == 'FLattenPVT':  # the dropout after the stage-1 position table is stem too
-        assert model.stages[0].pos_drop.training == (k < 0)
+        if prefixes and (mod_name + '.').startswith(prefixes):
+            assert not module.training, mod_name
+        elif all(p.requires_grad for p in module.parameters()):
+            assert module.training, mod_name
 
 
 @pytest.mark.parametrize('name', list(FAMILIES))

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flatten_mm.models import FLattenPVT, FLattenPVTv2
 
@@ -55,19 +56,6 @@ def test_with_cp_is_output_identical(cls):
     assert_checkpointing_matches(ref, cp, torch.randn(1, 3, 40, 56, requires_grad=True))
 
 
-@pytest.mark.parametrize('cls', CLASSES)
-def test_frozen_stages(cls):
-    """mmdet's convention: frozen_stages=2 freezes stages 0 and 1 (with their patch
-    embeddings); the stage-2 patch embedding trains (all families:
-    test_freezing_and_loading.py)."""
-    model = cls(arch=TINY, frozen_stages=2)
-    model.train()
-    for i, stage in enumerate(model.stages):
-        grads = {p.requires_grad for p in stage.parameters()}
-        assert grads == ({False} if i <= 1 else {True})
-        assert stage.training == (i > 1)
-
-
 def test_attention_mix_per_stage():
     """Any attention op in any stage: FLA with SR, softmax SR, PVTv2-li."""
     cfgs = [dict(sr_ratio=2),
@@ -91,14 +79,36 @@ def test_linear_mode():
     assert [tuple(o.shape) for o in outs] == expected_shapes(model, (100, 60))
 
 
-def test_padding_of_pvt_v1_patch_embed_does_not_leak():
-    """PVT v1 pads to the patch stride: an input that is already a multiple is unchanged
-    by appending and cropping."""
+def test_padding_of_pvt_v1_patch_embed_is_bottom_right_zeros():
+    """PVT v1's non-overlapping patch embedding zero-pads to a multiple of its stride at the
+    bottom / right, as the official code: a 66x70 input gives what the explicitly padded
+    68x72 input gives (stage 1 pads it; stages 2-4 pad their 17x18 / 9x9 / 5x5 maps the
+    same way in both runs), not what top / left padding gives; an input that is already a
+    multiple is not padded."""
     model = FLattenPVT(arch=TINY).eval()
-    x = torch.randn(1, 3, 64, 64)
+    x = torch.randn(1, 3, 66, 70)
     with torch.no_grad():
-        a = model(x)
-    assert [tuple(o.shape) for o in a] == expected_shapes(model, (64, 64))
+        out = model(x)
+        bottom_right = model(F.pad(x, (0, 2, 0, 2)))
+        top_left = model(F.pad(x, (2, 0, 2, 0)))
+    assert [tuple(o.shape) for o in out] == expected_shapes(model, (66, 70))
+    for a, b in zip(out, bottom_right):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.allclose(out[0], top_left[0], atol=1e-3)
+    # every stage's embedding (stride 4, then 2) on an odd map: the padded cells are the
+    # last row / column, and they see the input's last pixels next to zeros
+    for stage in model.stages:
+        embed = stage.patch_embed
+        s, c = embed.stride, embed.proj.in_channels
+        m = torch.randn(1, c, 2 * s + 1, 3 * s + 1)
+        with torch.no_grad():
+            tokens, hw = embed(m)
+            ref, ref_hw = embed(F.pad(m, (0, s - 1, 0, s - 1)))
+        assert hw == ref_hw == (3, 4)
+        torch.testing.assert_close(tokens, ref, rtol=0, atol=0)
+        with torch.no_grad():
+            unpadded, _ = embed(torch.randn(1, c, 2 * s, 3 * s))
+        assert unpadded.shape == (1, 6, embed.proj.out_channels)
 
 
 @pytest.mark.parametrize('bad,match', [
