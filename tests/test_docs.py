@@ -1,0 +1,539 @@
+"""The user documentation cannot rot (issue #34).
+
+* Every relative link and ``#anchor`` in README.md, CONTRIBUTING.md, ``docs/**/*.md`` and
+  the config folders' READMEs resolves (anchors by GitHub's heading slug rules).
+* Every config path, tool / script path, repository path and command-line flag named in
+  a ``bash`` / ``shell`` / ``sh`` code block exists: each ``tools/*.py`` (and
+  ``scripts/gpu_session.sh``, ``mim search``) used there runs ``--help`` once per
+  session, and every ``--flag`` the docs pass to it must appear in that help.
+* User docs name no file outside the repository (the development fixtures).
+* The model index: every config is in a metafile, every metafile entry names an existing
+  config, no empty ``Metrics``, the official weights of ``flatten_mm.zoo`` are the
+  metafiles' ``Weights``, and ``mim search flatten_mm`` (openmim, from the installed
+  package's ``.mim``; no network) lists every config.
+* Every ``FLATTEN_MM_*`` variable the code reads is documented in docs/get_started.md.
+
+The checkers are plain functions; the ``test_checker_*`` cases feed them a broken link, a
+broken anchor and a renamed flag, so a checker that stops finding them fails too.
+"""
+import functools
+import glob
+import importlib.util
+import os
+import os.path as osp
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+import yaml
+
+REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+PYTHON = sys.executable
+
+USER_DOCS = sorted(
+    [osp.join(REPO_ROOT, 'README.md'), osp.join(REPO_ROOT, 'CONTRIBUTING.md')] +
+    glob.glob(osp.join(REPO_ROOT, 'docs', '**', '*.md'), recursive=True) +
+    glob.glob(osp.join(REPO_ROOT, 'configs', '**', 'README.md'), recursive=True))
+
+FENCE = re.compile(r'^(\s*)(```+|~~~+)\s*([\w+-]*)[^\n]*$')
+SHELL_LANGS = {'bash', 'shell', 'sh', 'console'}
+
+
+def _rel(path: str) -> str:
+    return osp.relpath(path, REPO_ROOT)
+
+
+# --------------------------------------------------------------------------------------
+# markdown parsing
+
+
+def split_markdown(text: str) -> Tuple[List[Tuple[int, str]], List[Tuple[int, str, str]]]:
+    """``(prose lines, code blocks)``: prose as ``(line number, line)`` outside fences,
+    code blocks as ``(line number of the fence, language, body)``."""
+    prose, blocks = [], []
+    lines = text.split('\n')
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            prose.append((i + 1, lines[i]))
+            i += 1
+            continue
+        fence, lang, start = m.group(2), m.group(3).lower(), i
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i])
+            i += 1
+        blocks.append((start + 1, lang, textwrap.dedent('\n'.join(body))))
+        i += 1
+    return prose, blocks
+
+
+def _strip_inline_code(line: str) -> str:
+    return re.sub(r'(`+)(.+?)\1', lambda m: ' ' * len(m.group(0)), line)
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: rendered text, lower case, punctuation other
+    than ``-`` / ``_`` removed, spaces to ``-``."""
+    text = re.sub(r'!?\[([^\]]*)\]\([^)]*\)', r'\1', heading)  # links -> their text
+    text = re.sub(r'<[^>]+>', '', text)  # inline HTML
+    text = text.replace('`', '')
+    text = re.sub(r'(\*\*|__|\*)', '', text)
+    text = text.strip().lower()
+    text = re.sub(r'[^\w\- ]', '', text)
+    return text.replace(' ', '-')
+
+
+def anchors(text: str) -> set:
+    """Every anchor of a markdown file (duplicates get ``-1``, ``-2`` ...)."""
+    prose, _ = split_markdown(text)
+    seen: Dict[str, int] = {}
+    out = set()
+    for _, line in prose:
+        m = re.match(r'^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$', line)
+        if not m:
+            continue
+        slug = github_slug(m.group(2))
+        n = seen.get(slug, 0)
+        out.add(slug if n == 0 else f'{slug}-{n}')
+        seen[slug] = n + 1
+    for m in re.finditer(r'<a\s+(?:name|id)="([^"]+)"', text):
+        out.add(m.group(1))
+    return out
+
+
+LINK = re.compile(r'!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"]*")?\s*\)')
+
+
+def links(text: str) -> List[Tuple[int, str]]:
+    """``(line, target)`` of every inline link / image outside code."""
+    prose, _ = split_markdown(text)
+    out = []
+    for n, line in prose:
+        for m in LINK.finditer(_strip_inline_code(line)):
+            out.append((n, m.group(1)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _anchors_of(path: str) -> frozenset:
+    with open(path, encoding='utf-8') as f:
+        return frozenset(anchors(f.read()))
+
+
+def check_links(path: str, text: Optional[str] = None, root: str = REPO_ROOT) -> List[str]:
+    """Broken relative links and anchors of one markdown file."""
+    if text is None:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    errors = []
+    own = anchors(text)
+    for line, target in links(text):
+        if re.match(r'^[a-z][a-z0-9+.-]*:', target):  # http:, https:, mailto: ...
+            continue
+        file_part, _, anchor = target.partition('#')
+        where = f'{_rel(path)}:{line}: ({target})'
+        if file_part:
+            dest = osp.normpath(osp.join(osp.dirname(path), file_part))
+            if not osp.exists(dest):
+                errors.append(f'{where} does not exist')
+                continue
+            if not dest.startswith(root + os.sep) and dest != root:
+                errors.append(f'{where} points outside the repository')
+                continue
+        else:
+            dest = path
+        if anchor:
+            if not dest.endswith('.md') or osp.isdir(dest):
+                errors.append(f'{where}: an anchor on a non-markdown target')
+                continue
+            names = own if dest == path else _anchors_of(dest)
+            if anchor not in names:
+                errors.append(f'{where}: no heading with anchor #{anchor} in {_rel(dest)}')
+    return errors
+
+
+# --------------------------------------------------------------------------------------
+# commands in shell blocks
+
+
+def shell_commands(body: str) -> List[List[str]]:
+    """Commands of a shell block as token lists (continuations joined, comments dropped,
+    split at ``&&``, ``||``, ``;``, ``|``; leading ``VAR=value`` assignments removed)."""
+    joined = re.sub(r'\\\n', ' ', body)
+    commands = []
+    for line in joined.split('\n'):
+        line = line.strip()
+        if line.startswith('$ '):
+            line = line[2:]
+        if not line or line.startswith('#'):
+            continue
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:  # unbalanced quotes: not a command
+            continue
+        current: List[str] = []
+        for tok in tokens + [';']:
+            if tok in ('&&', '||', ';', '|'):
+                while current and re.match(r'^[A-Za-z_][A-Za-z0-9_]*=', current[0]):
+                    current.pop(0)
+                if current:
+                    commands.append(current)
+                current = []
+            else:
+                current.append(tok)
+    return commands
+
+
+CONFIG_PATH = re.compile(r'^configs/(?:mmdet|mmseg|quickstart|_base_)/[\w./-]+\.py$')
+REPO_PATH = re.compile(r'^(?:configs|tools|scripts|demo|tests|docs)/[\w./*{},-]+$')
+#: wrappers whose extra arguments go to a Python tool
+WRAPPERS = {'tools/dist_train.sh': 'tools/train.py', 'tools/slurm_train.sh': 'tools/train.py',
+            'tools/dist_test.sh': 'tools/test.py', 'tools/slurm_test.sh': 'tools/test.py'}
+#: paths written by a command (the output of ``-o``, ``--out`` ...) need not exist
+OUTPUT_FLAGS = {'-o', '--out', '--output', '--out-dir', '--work-dir', '--show-dir', '--csv',
+                '--md', '--png', '--json', '--markdown', '--dir', '--dest'}
+
+
+def _path_exists(token: str) -> bool:
+    """A repository path, with the docs' ``bN`` size placeholder and globs allowed."""
+    pattern = token.replace('-bN_', '-b?_').replace('-bN-', '-b?-')
+    pattern = re.sub(r'\{[^}]*\}', '*', pattern)
+    return bool(glob.glob(osp.join(REPO_ROOT, pattern)))
+
+
+def tool_of(cmd: List[str]) -> Optional[str]:
+    """The tool whose ``--help`` lists the command's flags: ``tools/*.py`` run by python,
+    a wrapper script's Python tool, ``scripts/gpu_session.sh``, or ``mim <subcommand>``."""
+    if not cmd:
+        return None
+    head = osp.basename(cmd[0])
+    if re.match(r'^python[\d.]*$', head) and len(cmd) > 1 and cmd[1].startswith('tools/'):
+        return cmd[1] if cmd[1].endswith('.py') else None
+    if head == 'bash' and len(cmd) > 1:
+        if cmd[1] in WRAPPERS:
+            return WRAPPERS[cmd[1]]
+        if cmd[1] == 'scripts/gpu_session.sh':
+            return cmd[1]
+    if head == 'mim' and len(cmd) > 1 and cmd[1] == 'search':
+        return 'mim search'
+    return None
+
+
+def _run_help(tool: str) -> Tuple[int, str]:
+    if tool == 'mim search':
+        from click.testing import CliRunner
+        from mim.commands.search import cli
+        result = CliRunner().invoke(cli, ['--help'])
+        return result.exit_code, result.output
+    argv = ['bash', tool, '--help'] if tool.endswith('.sh') else [PYTHON, tool, '--help']
+    env = dict(os.environ, PYTHONWARNINGS='ignore')
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def _all_helps() -> Dict[str, Tuple[int, str]]:
+    """``--help`` of every tool the docs' shell blocks use, each run once per session
+    (concurrently: most tools import torch and mmengine before parsing arguments)."""
+    from concurrent.futures import ThreadPoolExecutor
+    tools = set()
+    for path in USER_DOCS:
+        with open(path, encoding='utf-8') as f:
+            _, blocks = split_markdown(f.read())
+        for _, lang, body in blocks:
+            if lang in SHELL_LANGS:
+                tools.update(tool_of(cmd) for cmd in shell_commands(body))
+    tools = sorted(t for t in tools - {None, 'mim search'}
+                   if osp.exists(osp.join(REPO_ROOT, t)))
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(zip(tools, pool.map(_run_help, tools)))
+
+
+def tool_help(tool: str) -> str:
+    """``--help`` output of a tool (the flags it accepts)."""
+    rc, out = _all_helps()[tool] if tool in _all_helps() else _run_help(tool)
+    assert rc == 0, f'{tool} --help failed:\n{out}'
+    return out
+
+
+def check_commands(path: str, text: Optional[str] = None,
+                   help_of=tool_help) -> List[str]:
+    """Missing configs / tools / repository paths and unknown flags in a file's shell
+    blocks."""
+    if text is None:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    errors = []
+    _, blocks = split_markdown(text)
+    for line, lang, body in blocks:
+        if lang not in SHELL_LANGS:
+            continue
+        for cmd in shell_commands(body):
+            where = f'{_rel(path)}:{line}: `{" ".join(cmd)}`'
+            outputs = {cmd[i + 1] for i, tok in enumerate(cmd[:-1]) if tok in OUTPUT_FLAGS}
+            for tok in cmd:
+                value = tok.split('=', 1)[1] if tok.startswith('--') and '=' in tok else tok
+                if value in outputs:
+                    continue
+                if CONFIG_PATH.match(value) or (REPO_PATH.match(value) and not value.startswith(
+                        ('configs/my/', 'docs/reports/', 'docs/benchmarks/'))):
+                    if not _path_exists(value):
+                        errors.append(f'{where}: {value} does not exist')
+            tool = tool_of(cmd)
+            if tool is None:
+                continue
+            if tool != 'mim search' and not osp.exists(osp.join(REPO_ROOT, tool)):
+                errors.append(f'{where}: {tool} does not exist')
+                continue
+            flags = [t.split('=', 1)[0] for t in cmd[2:] if re.match(r'^--?[A-Za-z][\w-]*', t)]
+            if not flags:
+                continue
+            if tool == 'mim search' and importlib.util.find_spec('mim') is None:
+                continue  # openmim (the dev extra) not installed: the mim tests below skip
+            text_help = help_of(tool)
+            for flag in flags:
+                if not re.search(r'(?<![\w-])' + re.escape(flag) + r'(?![\w-])', text_help):
+                    errors.append(f'{where}: {tool} has no option {flag}')
+    return list(dict.fromkeys(errors))
+
+
+# --------------------------------------------------------------------------------------
+# the checks on the real documentation
+
+
+@pytest.mark.parametrize('path', USER_DOCS, ids=_rel)
+def test_links_and_anchors_resolve(path):
+    assert check_links(path) == []
+
+
+@pytest.mark.parametrize('path', USER_DOCS, ids=_rel)
+def test_commands_name_existing_configs_tools_and_flags(path):
+    assert check_commands(path) == []
+
+
+def test_readme_is_short_and_links_the_guides():
+    with open(osp.join(REPO_ROOT, 'README.md'), encoding='utf-8') as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 210
+    for guide in ('docs/get_started.md', 'docs/model_zoo.md', 'docs/advanced/kernels.md',
+                  'docs/user_guides/train_and_test.md', 'docs/user_guides/pretrained_weights.md',
+                  'docs/user_guides/swap_backbone.md', 'CONTRIBUTING.md'):
+        assert f']({guide}' in text, guide
+    for data_dir in ('data/coco', 'data/ade/ADEChallengeData2016'):
+        assert data_dir in text
+
+
+@pytest.mark.parametrize('path', USER_DOCS, ids=_rel)
+def test_user_docs_name_nothing_outside_the_repository(path):
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    for bad in ('../shared', 'shared/spec', 'shared/fixtures'):
+        assert bad not in text, f'{_rel(path)} names {bad}'
+
+
+@pytest.mark.parametrize('path', [p for p in USER_DOCS if not _rel(p).startswith(
+    ('docs/benchmarks', 'docs/reports'))], ids=_rel)
+def test_user_docs_carry_no_test_counts_or_ci_minutes(path):
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    assert not re.search(r'\d+ (?:tests? )?passed', text), _rel(path)
+    assert not re.search(r'\bCI (?:time|minutes|\d+ min)', text), _rel(path)
+
+
+def test_every_environment_variable_is_documented():
+    used = set()
+    for pattern in ('flatten_mm/**/*.py', 'tools/**/*.py', 'scripts/*.sh', 'tests/**/*.py',
+                    '.ci/*'):
+        for f in glob.glob(osp.join(REPO_ROOT, pattern), recursive=True):
+            if osp.isfile(f):
+                with open(f, encoding='utf-8', errors='replace') as fh:
+                    used.update(re.findall(r'FLATTEN_MM_[A-Z][A-Z_]*[A-Z]', fh.read()))
+    with open(osp.join(REPO_ROOT, 'docs', 'get_started.md'), encoding='utf-8') as f:
+        documented = set(re.findall(r'FLATTEN_MM_[A-Z][A-Z_]*[A-Z]', f.read()))
+    assert sorted(used - documented) == []
+
+
+# --------------------------------------------------------------------------------------
+# the checkers find what they must
+
+
+def test_checker_finds_a_broken_link_and_anchor(tmp_path):
+    doc = tmp_path / 'x.md'
+    text = textwrap.dedent('''\
+        # Title: with `code` and --flags
+
+        ## Second heading
+        [ok](#title-with-code-and---flags) [ok2](#second-heading) [web](https://example.org)
+        [gone](no_such_file.md) [bad anchor](#no-such-heading)
+        `[in code](no_such_either.md)`
+
+        ```bash
+        cat [not a link](nowhere.md)
+        ```
+        ''')
+    doc.write_text(text)
+    errors = check_links(str(doc), text, root=str(tmp_path))
+    assert len(errors) == 2, errors
+    assert 'no_such_file.md) does not exist' in errors[0]
+    assert '#no-such-heading' in errors[1]
+
+
+def test_checker_finds_an_anchor_missing_in_another_file():
+    text = '[x](docs/get_started.md#no-such-section) [y](docs/get_started.md#environment-variables)'
+    errors = check_links(osp.join(REPO_ROOT, 'README.md'), text)
+    assert len(errors) == 1 and '#no-such-section' in errors[0], errors
+
+
+def test_github_slugs():
+    assert github_slug('Install: into an existing mmdet / mmseg environment') == \
+        'install-into-an-existing-mmdet--mmseg-environment'
+    assert github_slug('Checks: --verify and --train-smoke') == 'checks---verify-and---train-smoke'
+    assert github_slug('Loading: `init_cfg` and load_from') == 'loading-init_cfg-and-load_from'
+    assert github_slug('NaN / inf input') == 'nan--inf-input'
+    assert anchors('# A\n## A\n```\n# not a heading\n```\n') == {'a', 'a-1'}
+
+
+def test_checker_finds_a_renamed_flag_and_a_missing_config():
+    helps = {'tools/train.py': 'usage: train.py [-h] [--work-dir WORK_DIR] [--amp]'}
+    text = textwrap.dedent('''\
+        ```bash
+        python tools/train.py configs/mmdet/flatten_pvt/retinanet_flatten-pvt-t_fpn_1x_coco.py \\
+            --work-dir w --ampp   # renamed
+        bash tools/dist_train.sh configs/mmdet/no_such/config_1x_coco.py 8 --amp
+        python tools/no_such_tool.py --x
+        FOO=1 python tools/train.py CONFIG --amp && ls demo/data/no_such_dir
+        ```
+        ''')
+    errors = check_commands(osp.join(REPO_ROOT, 'README.md'), text, help_of=helps.__getitem__)
+    assert any('has no option --ampp' in e for e in errors), errors
+    assert any('configs/mmdet/no_such/config_1x_coco.py does not exist' in e for e in errors)
+    assert any('tools/no_such_tool.py does not exist' in e for e in errors)
+    assert any('demo/data/no_such_dir does not exist' in e for e in errors)
+    assert len(errors) == 4, errors
+
+
+# --------------------------------------------------------------------------------------
+# the model index (mim)
+
+
+def _metafiles() -> List[str]:
+    return sorted(glob.glob(osp.join(REPO_ROOT, 'configs', '**', 'metafile.yml'),
+                            recursive=True))
+
+
+def _models() -> List[dict]:
+    models = []
+    for f in _metafiles():
+        with open(f, encoding='utf-8') as fh:
+            models.extend(yaml.safe_load(fh)['Models'])
+    return models
+
+
+def test_model_index_imports_every_metafile():
+    with open(osp.join(REPO_ROOT, 'model-index.yml'), encoding='utf-8') as f:
+        imports = yaml.safe_load(f)['Import']
+    assert sorted(imports) == sorted(_rel(f) for f in _metafiles())
+
+
+def test_metafiles_cover_every_config_with_results_or_a_reason():
+    configs = sorted(_rel(p) for p in glob.glob(osp.join(REPO_ROOT, 'configs', 'mm*', '*',
+                                                         '*.py')))
+    models = _models()
+    assert sorted(m['Config'] for m in models) == configs
+    for m in models:
+        assert m['Name'] == osp.splitext(osp.basename(m['Config']))[0]
+        results = m.get('Results')
+        if results:
+            assert all(r['Metrics'] for r in results), m['Name']
+        else:
+            assert m['Metadata']['Published Results'].startswith('none'), m['Name']
+
+
+def test_metafiles_carry_every_official_file_of_the_zoo():
+    from flatten_mm import zoo
+    by_config = {m['Config']: m for m in _models()}
+    for w in zoo.official_weights().values():
+        if w.is_whole_model:
+            m = by_config[w.config]
+            assert m['Weights'] == w.urls[0], w.name
+            assert m['Metadata']['Converted Checkpoint'] == w.target, w.name
+        else:
+            users = zoo.configs_using(w, REPO_ROOT)
+            for cfg in users:
+                md = by_config[cfg]['Metadata']
+                assert md['Pretrained Weights'] == w.urls[0], (w.name, cfg)
+                assert md['Pretrained Checkpoint'] == w.target, (w.name, cfg)
+
+
+@pytest.fixture(scope='module')
+def installed_copy(tmp_path_factory):
+    """flatten_mm built and installed (non-editable, no dependencies) into a directory
+    put first on PYTHONPATH: what `pip install .` gives a user, with its `.mim`."""
+    pytest.importorskip('mim', reason='openmim is not installed (the dev extra of setup.py)')
+    import shutil
+    # build from a copy: the build writes flatten_mm/.mim into the source tree it runs in
+    src = tmp_path_factory.mktemp('src')
+    skip = shutil.ignore_patterns('__pycache__', '*.pyc', '.mim', '*.egg-info')
+    for name in ('setup.py', 'README.md', 'model-index.yml'):
+        shutil.copy(osp.join(REPO_ROOT, name), src / name)
+    for name in ('flatten_mm', 'configs', 'tools'):
+        shutil.copytree(osp.join(REPO_ROOT, name), src / name, ignore=skip)
+    target = tmp_path_factory.mktemp('site')
+    proc = subprocess.run(
+        [PYTHON, '-m', 'pip', 'install', '--quiet', '--no-deps', '--no-build-isolation',
+         '--no-index', '--target', str(target), str(src)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(target)
+
+
+def _mim(args: List[str], site: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=site, PYTHONWARNINGS='ignore')
+    code = 'import sys; from mim.cli import cli; sys.exit(cli())'
+    return subprocess.run([PYTHON, '-c', code] + args, capture_output=True, text=True,
+                          timeout=300, env=env, cwd=site)
+
+
+def test_installed_package_carries_the_mim_files(installed_copy):
+    mim_dir = osp.join(installed_copy, 'flatten_mm', '.mim')
+    assert osp.isfile(osp.join(mim_dir, 'model-index.yml'))
+    for m in _models():
+        assert osp.isfile(osp.join(mim_dir, m['Config'])), m['Config']
+    assert osp.isfile(osp.join(mim_dir, 'tools', 'train.py'))
+
+
+def test_mim_search_lists_every_config(installed_copy):
+    env = dict(os.environ, PYTHONPATH=installed_copy, PYTHONWARNINGS='ignore')
+    code = textwrap.dedent('''\
+        import json
+        from mim.commands.search import get_model_info
+        df = get_model_info('flatten_mm', local=True)
+        print(json.dumps({name: {k: (v if isinstance(v, (str, int, float)) else None)
+                                 for k, v in row.items() if v == v}
+                          for name, row in df.to_dict('index').items()}))
+        ''')
+    proc = subprocess.run([PYTHON, '-c', code], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=installed_copy)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    models = {m['Name']: m for m in _models()}
+    assert sorted(rows) == sorted(models)
+    for name, m in models.items():
+        assert rows[name]['config'] == m['Config']
+    row = rows['mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco']
+    assert row['coco/box_ap'] == 38.8 and row['coco/mask_ap'] == 36.5
+    assert row['weight'].endswith('QuadTreeAttention_maskrcnn/b0_1x.pth')
+    # the command line, as the docs show it
+    proc = _mim(['search', 'flatten_mm', '--model', 'quadtree-pvtv2'], installed_copy)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert 'retinanet_quadtree-b-pvt-v2-b4_fpn_1x_coco' in proc.stdout
+    assert 'mask-rcnn_flatten-swin' not in proc.stdout
