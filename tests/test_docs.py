@@ -2,6 +2,7 @@
 
 * Every relative link and ``#anchor`` in README.md, CONTRIBUTING.md, ``docs/**/*.md`` and
   the config folders' READMEs resolves (anchors by GitHub's heading slug rules).
+* Every repository path named in inline code (``flatten_mm/...``, ``tools/...``) exists.
 * Every config path, tool / script path, repository path and command-line flag named in
   a ``bash`` / ``shell`` / ``sh`` code block exists: each ``tools/*.py`` (and
   ``scripts/gpu_session.sh``, ``mim search``) used there runs ``--help`` once per
@@ -317,6 +318,21 @@ def test_links_and_anchors_resolve(path):
 @pytest.mark.parametrize('path', USER_DOCS, ids=_rel)
 def test_commands_name_existing_configs_tools_and_flags(path):
     assert check_commands(path) == []
+
+
+INLINE_PATH = re.compile(
+    r'`((?:flatten_mm|tools|scripts|configs|tests|docs|demo)/[\w./*-]*)`')
+
+
+@pytest.mark.parametrize('path', USER_DOCS, ids=_rel)
+def test_repository_paths_named_in_prose_exist(path):
+    """`flatten_mm/...`, `tools/...` and the like in inline code name real files (a
+    moved module must take its docs along)."""
+    with open(path, encoding='utf-8') as f:
+        prose, _ = split_markdown(f.read())
+    missing = [f'{_rel(path)}:{n}: {m.group(1)}' for n, line in prose
+               for m in INLINE_PATH.finditer(line) if not _path_exists(m.group(1).rstrip('/'))]
+    assert missing == []
 
 
 def test_readme_is_short_and_links_the_guides():
