@@ -481,6 +481,11 @@ def test_metafiles_carry_every_official_file_of_the_zoo():
             m = by_config[w.config]
             assert m['Weights'] == w.urls[0], w.name
             assert m['Metadata']['Converted Checkpoint'] == w.target, w.name
+            published = {(r['Dataset'], k): v for r in m['Results']
+                         for k, v in r['Metrics'].items()}
+            for label, value in w.metrics:  # ('COCO box AP', 38.4)
+                dataset, metric = label.split(' ', 1)
+                assert published[(dataset, metric)] == value, (w.name, label)
         else:
             users = zoo.configs_using(w, REPO_ROOT)
             for cfg in users:
