@@ -494,6 +494,20 @@ def test_metafiles_carry_every_official_file_of_the_zoo():
                 assert md['Pretrained Checkpoint'] == w.target, (w.name, cfg)
 
 
+def test_model_zoo_table_matches_the_metafiles():
+    """docs/model_zoo.md's per-config table says what the metafiles say."""
+    with open(osp.join(REPO_ROOT, 'docs', 'model_zoo.md'), encoding='utf-8') as f:
+        rows = {m.group(1): [c.strip() for c in m.group(2).split('|')]
+                for m in re.finditer(r'^\| \[([\w.-]+)\]\(\.\./configs/[^)]+\) \|(.*)\|$',
+                                     f.read(), re.M)}
+    for m in _models():
+        published = ', '.join(f'{k} {v}' for r in m.get('Results', [])
+                              for k, v in r['Metrics'].items()) or '-'
+        imagenet = 'official' if 'Pretrained Weights' in m['Metadata'] else 'none released'
+        trained = 'official, converted' if 'Weights' in m else '-'
+        assert rows[m['Name']] == [published, imagenet, trained], m['Name']
+
+
 @pytest.fixture(scope='module')
 def installed_copy(tmp_path_factory):
     """flatten_mm built and installed (non-editable, no dependencies) into a directory
