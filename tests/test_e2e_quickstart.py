@@ -1,5 +1,7 @@
 """End to end: the quick-start configs through tools/train.py and tools/test.py on the
-bundled real COCO / ADE20K images, and a resume from a saved checkpoint."""
+bundled real COCO / ADE20K images. (Resuming -- ``--resume CKPT`` and ``--resume`` from
+the work dir, after SIGTERM and SIGKILL, to the same losses -- is
+tests/test_reliability/test_distributed_resume.py.)"""
 import glob
 import json
 import math
@@ -75,18 +77,6 @@ def test_detection_train_and_test(det_run, tmp_path):
     painted = glob.glob(str(show / '**' / '*.jpg'), recursive=True) + \
         glob.glob(str(show / '**' / '*.png'), recursive=True)
     assert len(painted) == 32
-
-
-def test_detection_resume(det_run, tmp_path):
-    ckpt = osp.join(det_run, 'iter_10.pth')
-    out = run(['tools/train.py', DET, '--work-dir', str(tmp_path), '--resume', ckpt,
-               '--cfg-options'] + DET_SHORT)
-    assert 'resumed' in out.lower()
-    records = [r for r in scalars(str(tmp_path)) if 'loss' in r]
-    iters = [r['iter'] for r in records]
-    assert iters[0] > 10 and iters[-1] == 20, iters
-    assert all(math.isfinite(r['loss']) for r in records)
-    assert osp.isfile(osp.join(tmp_path, 'iter_20.pth'))
 
 
 def test_segmentation_train_and_test(tmp_path):

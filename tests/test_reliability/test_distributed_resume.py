@@ -201,13 +201,15 @@ def kill(proc: subprocess.Popen, sig: int) -> None:
 
 
 def test_killed_run_resumes_to_the_same_losses(single, tmp_path):
-    """SIGTERM after the first checkpoint, ``--resume``, SIGKILL after the second,
-    ``--resume`` again: the resumed iterations reproduce the uninterrupted run."""
+    """SIGTERM after the first checkpoint, ``--resume CKPT`` (that checkpoint's path),
+    SIGKILL after the second, ``--resume`` (the work dir's latest): every iteration runs
+    once and the resumed ones reproduce the uninterrupted run."""
     run = Run(tmp_path)
     kill(start_until_hang(run, CKPT_EVERY), signal.SIGTERM)
-    assert osp.isfile(osp.join(run.work, f'iter_{CKPT_EVERY}.pth'))
+    first = osp.join(run.work, f'iter_{CKPT_EVERY}.pth')
+    assert osp.isfile(first)
     logs = set(os.listdir(run.work))
-    kill(start_until_hang(run, 2 * CKPT_EVERY, extra=['--resume']), signal.SIGKILL)
+    kill(start_until_hang(run, 2 * CKPT_EVERY, extra=['--resume', first]), signal.SIGKILL)
     assert osp.isfile(osp.join(run.work, f'iter_{2 * CKPT_EVERY}.pth'))
     assert not osp.exists(osp.join(run.work, f'iter_{MAX_ITERS}.pth'))
     assert logs <= set(os.listdir(run.work)), 'the interrupted run\'s files were removed'
@@ -215,7 +217,9 @@ def test_killed_run_resumes_to_the_same_losses(single, tmp_path):
     assert 'Auto resumed from the latest checkpoint ' \
         f'{osp.join(run.work, f"iter_{2 * CKPT_EVERY}.pth")}' in out
     ref, resumed = single.losses(), run.losses()
-    assert sorted(resumed) == list(range(1, MAX_ITERS + 1))
+    # a resume that started over would record iterations 1, 2, ... again
+    with open(osp.join(run.records, 'losses_rank0.jsonl')) as f:
+        assert [r['iter'] for r in map(json.loads, f)] == list(range(1, MAX_ITERS + 1))
     for it in range(CKPT_EVERY + 1, MAX_ITERS + 1):
         assert abs(resumed[it] - ref[it]) <= 1e-6, (it, resumed[it], ref[it])
     assert max_abs_diff(run.weights(MAX_ITERS), single.weights(MAX_ITERS)) <= 1e-6
