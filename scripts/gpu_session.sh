@@ -11,9 +11,11 @@
 # (estimates for an H200 from docs/benchmarks/cuda_*.csv: a batch-8 training step is ~3x
 # the forward, e.g. ~0.3 s per round for FLatten-PVTv2-b0 + two PVTv2-b0 at 1024²):
 #   1. environment (nvidia-smi, versions, commit) -> environment.txt          ~5 s
-#   2. tools/analysis/gpu_kernel_check.py --out $OUT/kernels --compile        <=240 s
-#      (when present; SMOKE: --help only, it needs CUDA): FLA and QuadTree kernels,
-#      each with one torch.compile case (QuadTree: a 3-level module, time not measured)
+#   2. tools/analysis/gpu_kernel_check.py --out $OUT/kernels --compile --safety  <=300 s
+#      (when present; SMOKE: --help only, it needs CUDA): FLA and QuadTree kernels in
+#      fp32 / bf16 / fp16, head dims up to 128, each with one torch.compile case; the
+#      safety checks: first-use verdicts, TF32, bitwise repeats, NaN / Inf, a second
+#      device, dynamic shapes under torch.compile
 #   3. profile tables, FLatten-PVTv2-b0 / FLatten-Swin-T / QuadTree-B-b0 and
 #      their softmax counterparts, batch 8, 512², fp32 then bf16              ~40 s each
 #   4. fast paths vs reference paths (benchmark --check)                      ~20 s
@@ -166,8 +168,9 @@ if [ -f tools/analysis/gpu_kernel_check.py ]; then
     if [ "$SMOKE" = 1 ]; then  # its CPU behaviour is its own business: import + CLI only
         step kernel_check 0 60 "$PYTHON" tools/analysis/gpu_kernel_check.py --help
     else
-        step kernel_check 30 240 "$PYTHON" tools/analysis/gpu_kernel_check.py --out "$OUT/kernels" \
-            --compile
+        step kernel_check 30 300 "$PYTHON" tools/analysis/gpu_kernel_check.py --out "$OUT/kernels" \
+            --compile --safety --dtypes fp32,bf16,fp16 \
+            --cases pvt-v2-b0-stage1,swin-t-stage1,pvt-v2-b0-stage4,pvt-t-stage1,reduced-keys-sr4,head-dim-128,qt-b0-stage2,qt-b1-stage1
     fi
 elif [ -z "$ONLY" ] || [[ ",$ONLY," == *",kernel_check,"* ]]; then
     say "SKIP kernel_check: tools/analysis/gpu_kernel_check.py is absent"

@@ -98,7 +98,7 @@ PYEOF
 log "building the fused QuadTree CPU kernel (once per machine and torch version)"
 "$VPY" - <<'PYEOF' || log "(the kernel is optional: the pure-PyTorch path is used without it)"
 import warnings
-from flatten_mm.models.layers import cpu_kernels
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 with warnings.catch_warnings():
     warnings.simplefilter('ignore')
     cpu_kernels.quadtree_level_kernel()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import FIXTURES_DIR, requires_shared, shared_fixtures
-from flatten_mm.models.layers import QuadTreeAttention, cpu_kernels
+from flatten_mm.models.layers import QuadTreeAttention
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 from flatten_mm.models.layers import quadtree_attention as qta
 from flatten_mm.parity import ADAPTERS, find_adapter, run_parity
 from flatten_mm.parity.quadtree import NEAR_TIE, reference_topk

@@ -133,7 +133,7 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
         ValueError: ``hw`` below the model's ``min_input_size()``.
     """
     import onnx
-    from ..models.layers import cpu_kernels
+    from ..models.ops import quadtree_cpu as cpu_kernels
     H, W = int(hw[0]), int(hw[1])
     lo_h, lo_w = target.min_hw
     if H < lo_h or W < lo_w:

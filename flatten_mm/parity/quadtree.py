@@ -43,8 +43,8 @@ from ..converters import CONVERTERS
 from ..models.backbones.quadtree_pvt import QuadTreePVTv2
 from ..models.layers import QuadTreeAttention
 from ..models.layers.conv import tokens_as_map
-from ..models.layers.quadtree_attention import (_child_candidates, _children_to_raster,
-                                                _group_children, _to_heads)
+from ..models.ops.quadtree_layout import (child_candidates, children_to_raster,
+                                          group_children, to_heads)
 from .core import REL_TOL, FixtureAdapter, StageResult, compare_tensors, register_adapter
 from .flatten_pvt import check_norm_layer
 
@@ -133,16 +133,16 @@ def reference_topk(attn: QuadTreeAttention, q: torch.Tensor, k: torch.Tensor,
     d = C // h
     temp = d**-0.5
     grid = tuple(qs[0].shape[-2:])
-    probs = torch.softmax(temp * (_to_heads(qs[0], h) @ _to_heads(ks[0], h).transpose(-1, -2)),
+    probs = torch.softmax(temp * (to_heads(qs[0], h) @ to_heads(ks[0], h).transpose(-1, -2)),
                           dim=-1)
     score, idx, margin = _topk_with_margin(probs, attn.topks[0])
     out = [TopkSelection(0, grid, idx.sort(-1).values, margin)]
     for i in range(1, S - 1):
         hi, wi = qs[i].shape[-2:]
         Kp = idx.shape[-1]
-        qg = _group_children(qs[i], h) * temp  # (B, h, L, 4, d)
-        keys = _to_heads(ks[i], h)  # (B, h, M, d)
-        cand = _child_candidates(idx, grid[1])  # (B, h, L, 4Kp)
+        qg = group_children(qs[i], h) * temp  # (B, h, L, 4, d)
+        keys = to_heads(ks[i], h)  # (B, h, M, d)
+        cand = child_candidates(idx, grid[1])  # (B, h, L, 4Kp)
         kc = keys.gather(2, cand.reshape(B, h, -1, 1).expand(-1, -1, -1, d))
         scores = torch.einsum('bhlcd,bhlkd->bhlck', qg, kc.view(B, h, -1, 4 * Kp, d))
         if attn.attn_type == 'B':
@@ -151,9 +151,9 @@ def reference_topk(attn: QuadTreeAttention, q: torch.Tensor, k: torch.Tensor,
             probs = scores.unflatten(-1, (Kp, 4)).softmax(-1)
             probs = (probs * score[:, :, :, None, :, None]).flatten(-2)
         score_c, sel, margin_c = _topk_with_margin(probs, attn.topks[i])
-        idx = _children_to_raster(cand.unsqueeze(3).expand_as(probs).gather(-1, sel), (hi, wi))
-        score = _children_to_raster(score_c, (hi, wi))
-        margin = _children_to_raster(margin_c.unsqueeze(-1), (hi, wi))[..., 0]
+        idx = children_to_raster(cand.unsqueeze(3).expand_as(probs).gather(-1, sel), (hi, wi))
+        score = children_to_raster(score_c, (hi, wi))
+        margin = children_to_raster(margin_c.unsqueeze(-1), (hi, wi))[..., 0]
         grid = (hi, wi)
         out.append(TopkSelection(i, grid, idx.sort(-1).values, margin))
     return out

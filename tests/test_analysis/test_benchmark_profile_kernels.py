@@ -18,8 +18,8 @@ sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from benchmark_cli import load_cli  # noqa: E402
 
 # the kernel modules interpreted whatever the test order (Triton decides at import)
-import_interpreted('flatten_mm.models.layers.focused_linear_attention_triton',
-                   'flatten_mm.models.layers.quadtree_attention_triton')
+import_interpreted('flatten_mm.models.ops.fla_triton',
+                   'flatten_mm.models.ops.quadtree_triton')
 
 TINY = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 2),
             mlp_ratios=(2, 2, 2, 2))

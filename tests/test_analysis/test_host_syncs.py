@@ -16,8 +16,8 @@ from conftest import import_interpreted
 from flatten_mm.analysis.benchmark import profiling, syncs
 from flatten_mm.analysis.benchmark.cases import tiny_backbones
 
-import_interpreted('flatten_mm.models.layers.focused_linear_attention_triton',
-                   'flatten_mm.models.layers.quadtree_attention_triton')
+import_interpreted('flatten_mm.models.ops.fla_triton',
+                   'flatten_mm.models.ops.quadtree_triton')
 HERE = osp.relpath(osp.abspath(__file__), osp.dirname(osp.dirname(osp.dirname(
     osp.abspath(__file__)))))
 

@@ -1,4 +1,4 @@
-"""The fused Triton kernels of FLA (``focused_linear_attention_triton``) on the CPU, under
+"""The fused Triton kernels of FLA (``ops.fla_triton``) on the CPU, under
 Triton's interpreter: forward and gradients (q, k, v, scale, positional encoding) against
 the float64 formula and the PyTorch path, and the operator-level switch.
 
@@ -17,8 +17,9 @@ from conftest import import_interpreted
 
 # (the kernels need Triton: fail, never skip, without it)
 triton, fla_triton = import_interpreted(
-    'triton', 'flatten_mm.models.layers.focused_linear_attention_triton')
+    'triton', 'flatten_mm.models.ops.fla_triton')
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
+from flatten_mm.models.ops import dispatch  # noqa: E402
 from flatten_mm.models.layers import (FocusedLinearAttention,  # noqa: E402
                                       FocusedLinearAttentionQKV)
 
@@ -256,10 +257,10 @@ def test_switches(monkeypatch):
         out = fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=flag)
         assert len(calls) == 1
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    monkeypatch.setenv(fla.TRITON_ENV, '0')
+    monkeypatch.setenv(dispatch.TRITON_ENV, '0')
     fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=True)
     assert len(calls) == 1
-    monkeypatch.setenv(fla.TRITON_ENV, '1')
+    monkeypatch.setenv(dispatch.TRITON_ENV, '1')
     fla.focused_linear_core(q, k, v, s, 2, 3, use_triton=True)
     assert len(calls) == 2
 
@@ -675,27 +676,3 @@ def test_gpu_check_tool_checks_the_projected_operators(monkeypatch):
         assert op['passed'] and rec['passed'], op
 
 
-def test_kernels_compile_for_sm90_without_gpu(tmp_path):
-    """``gpu_kernel_check.py --aot 90``: the five kernels, as launched for FLatten-Swin-T's
-    first stage with bf16 inputs, compile down to sm_90 cubins with Triton's bundled ptxas
-    (no GPU needed, but not interpreted: a subprocess without TRITON_INTERPRET and with an
-    empty kernel cache). What the interpreter cannot catch (typing / layout errors of the
-    compiled language) fails here."""
-    import json
-    import subprocess
-    import sys
-    import os.path as osp
-    root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    env['TRITON_CACHE_DIR'] = str(tmp_path / 'cache')
-    tool = osp.join(root, 'tools', 'analysis', 'gpu_kernel_check.py')
-    res = subprocess.run([sys.executable, tool,
-                          '--aot', '90', '--cases', 'swin-t-stage1', '--dtypes', 'bf16',
-                          '--out', str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads((tmp_path / 'gpu_kernel_aot.json').read_text())
-    assert report['passed'] and report['target'] == 'cuda sm_90'
-    assert sorted(r['function'] for r in report['records']) == sorted(fla_triton._KERNELS)
-    for r in report['records']:
-        assert r['cubin_bytes'] > 0 and r['registers'] is not None, r

@@ -498,8 +498,8 @@ def test_levels_in_one_chunk_same_values_one_chunk(monkeypatch):
     monkeypatch.setattr(qa, '_DENSE_ONE_CHUNK_ELEMENTS', 64)
     monkeypatch.setattr(qa, '_LEVEL_CHUNK_ELEMENTS', 64)
     calls = []
-    group = qa._group_children
-    monkeypatch.setattr(qa, '_group_children', lambda *a: calls.append(1) or group(*a))
+    group = qa.group_children
+    monkeypatch.setattr(qa, 'group_children', lambda *a: calls.append(1) or group(*a))
     torch.manual_seed(0)
     m = QuadTreeAttention(8, 2, num_levels=3, topk=4).eval()
     x = torch.randn(1, 32 * 24, 8)

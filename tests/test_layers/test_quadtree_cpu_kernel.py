@@ -1,4 +1,4 @@
-"""The fused QuadTree CPU kernel (``cpu_kernels`` + ``csrc/quadtree_cpu.cpp``) against the
+"""The fused QuadTree CPU kernel (``ops.quadtree_cpu`` + ``ops/csrc/quadtree_cpu.cpp``) against the
 pure-PyTorch inference path it replaces: messages, selected keys (A: and their weights),
 both variants, every head-width code path (AVX2 for d = 16/32/64, generic otherwise),
 batches, heads, odd and non-square maps; ties, NaN, the switch and the build fallback.
@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from flatten_mm.models.layers import QuadTreeAttention, cpu_kernels
+from flatten_mm.models.layers import QuadTreeAttention
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 from flatten_mm.models.layers.quadtree_attention import (_finer_level_cpu_kernel,
                                                          _finer_level_inference)
 
@@ -205,7 +206,8 @@ def test_bad_kernel_arguments_are_named():
 
 _GENERIC_CHECK = '''
 import torch
-from flatten_mm.models.layers import QuadTreeAttention, cpu_kernels
+from flatten_mm.models.layers import QuadTreeAttention
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 assert cpu_kernels._isa_flags() == []
 assert cpu_kernels.quadtree_level_kernel() is not None, cpu_kernels.status()
 worst = 0.0

@@ -1,9 +1,9 @@
-"""The Triton kernels of QuadTree attention (``quadtree_attention_triton``: gathered
+"""The Triton kernels of QuadTree attention (``ops.quadtree_triton``: gathered
 scores, gathered messages, the fused final level of variants B and A) on the CPU, under
 Triton's interpreter: forward and gradients against the PyTorch path (``_GatheredMatmul``)
 and a float64 gather reference, the whole core (A and B, training and inference paths)
-with the kernels on and off, the switches, the custom-op registration, and a compile for
-sm_90 without a GPU.
+with the kernels on and off, the switches and the custom-op registration (the compile for
+GPU targets without a GPU: test_kernel_dispatch.py).
 
 As in test_fla_triton.py, ``TRITON_INTERPRET=1`` is set before the kernel module is
 imported (Triton decides at decoration time) and around each test. Never skipped: without
@@ -18,10 +18,11 @@ import torch
 from conftest import import_interpreted
 
 # (the kernels need Triton: fail, never skip, without it)
-_, qt = import_interpreted('triton', 'flatten_mm.models.layers.quadtree_attention_triton')
+_, qt = import_interpreted('triton', 'flatten_mm.models.ops.quadtree_triton')
 from flatten_mm.analysis.benchmark.profiling import saved_for_backward  # noqa: E402
 from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
+from flatten_mm.models.ops import dispatch  # noqa: E402
 from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('triton_interpreter')
@@ -263,7 +264,7 @@ def test_parent_lists_give_the_candidate_lists_results(kind, cells_dtype):
     cells = torch.randint(0, hc * pw, (B, h, L, 2 * Kp), generator=_gen(31))
     cells = cells.to(cells_dtype)[..., ::2]
     assert not cells.is_contiguous()
-    cand = qa._child_candidates(cells.long(), pw)
+    cand = qa.child_candidates(cells.long(), pw)
     a, srcs, _, grad = _problem(B, h, L, nf, M, d, 4 * Kp, kind, seed=33, index=cand)
     ours = _run(lambda a, s, i: PARENT_KERNELS[kind](a, s, cells, pw), a, srcs, None, grad,
                 torch.float32)
@@ -553,8 +554,8 @@ def test_projected_final_level_refuses_projections_that_do_not_fit():
     x = torch.randn(B, Hf * Wf, C, generator=gen)
     w, b = torch.randn(C, C, generator=gen), torch.randn(C, generator=gen)
     q_map = qa.tokens_as_map(torch.nn.functional.linear(x, w, b), (Hf, Wf))
-    q = qa._level_queries(q_map, h, d ** -0.5)
-    k = qa._to_heads(q_map, h)
+    q = qa.level_queries(q_map, h, d ** -0.5)
+    k = qa.to_heads(q_map, h)
     index = torch.randint(0, (Hf // 2) * (Wf // 2), (B, h, q.shape[2], Kp), generator=gen,
                           dtype=torch.int32)
     good = qa.Projections(x, (w, b), (w, b))
@@ -597,12 +598,12 @@ def test_switches(monkeypatch):
         torch.testing.assert_close(qa.gathered_scores(a, src, index, use_triton=flag), ref,
                                    rtol=1e-6, atol=1e-6)
     assert len(calls) == 1
-    monkeypatch.setenv(fla.TRITON_ENV, '0')
+    monkeypatch.setenv(dispatch.TRITON_ENV, '0')
     qa.gathered_scores(a, src, index, use_triton=True)
     m = QuadTreeAttention(8, 2, num_levels=2, topk=2, use_triton=True)
     m(torch.randn(1, 16, 8), (4, 4))
     assert len(calls) == 1
-    monkeypatch.setenv(fla.TRITON_ENV, '1')
+    monkeypatch.setenv(dispatch.TRITON_ENV, '1')
     m(torch.randn(1, 16, 8), (4, 4))  # (training: the final level on the projected maps)
     assert calls[1:] == ['final_level_projected_triton']
     m.use_triton = None  # auto: CPU tensors take the PyTorch path
@@ -725,42 +726,6 @@ def test_module_compiles_to_one_graph_with_the_ops(attn_type):
     assert torch.equal(out, m(x, (8, 12)))
 
 
-_AOT_SCRIPT = r'''
-import json, sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flatten_mm.models.layers import quadtree_attention_triton as qt
-assert not qt.INTERPRETED
-done = []
-for dtype in (torch.float32, torch.bfloat16):
-    for name, fn, sig, const, options in qt.aot_specs(128, 32, dtype):
-        c = triton.compile(ASTSource(fn, sig, const), target=GPUTarget('cuda', 90, 32),
-                           options=options)
-        done.append([name, str(dtype), len(c.asm['cubin'])])
-print(json.dumps(done))
-'''
-
-
-def test_kernels_compile_for_sm90_without_gpu(tmp_path):
-    """The eight launches (scores / messages / fused final level B and A, forward /
-    backward), fp32 and bf16, as
-    QuadTree-B-b0's levels make them (4K = 128 candidates, d = 32), compile to sm_90
-    cubins (not interpreted: a subprocess without TRITON_INTERPRET, empty kernel cache).
-    What the interpreter cannot catch (typing / layout errors of the compiled language)
-    fails here."""
-    import json
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    env['TRITON_CACHE_DIR'] = str(tmp_path / 'cache')
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, '-c', _AOT_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    done = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(done) == 16 and all(n > 0 for _, _, n in done), done
-
-
 # --------------------------------------------------------------------------- GPU check tool
 def _load_tool():
     import importlib.util
@@ -855,8 +820,8 @@ def test_gpu_check_tool_module_check_fails_a_wrong_recompute(monkeypatch):
     tool = _load_tool()
     args = _tiny_args(tool, monkeypatch)
     assert tool._qt_module_check('tiny', 'B', args)['passed']
-    real = qt._level_queries
-    monkeypatch.setattr(qt, '_level_queries', lambda *a: real(*a) * 1.001)
+    real = qt.level_queries
+    monkeypatch.setattr(qt, 'level_queries', lambda *a: real(*a) * 1.001)
     for attn_type in ('A', 'B'):
         c = tool._qt_module_check('tiny', attn_type, args)
         assert not c['passed'] and c['max_rel']['out'] <= args.tol, c
@@ -907,54 +872,6 @@ def test_gpu_check_tool_quadtree_check_fails_a_broken_kernel(monkeypatch):
     errors = tool.check_quadtree('tiny', 'fp32', args)['errors']
     assert not errors['final_level_b_scaled.dscale']['passed']
     assert errors['final_level_b_scaled.out']['passed'] and errors['final_level_b.out']['passed']
-
-
-def test_gpu_check_tool_compiles_quadtree_kernels_for_sm90(tmp_path):
-    """``gpu_kernel_check.py --aot 90 --kernels quadtree`` for QuadTree-B-b0's second stage
-    (d = 32) and QuadTree-B-b1's first (4K = 128 candidates, d = 64), fp32: the eight
-    launches compile to sm_90 cubins with Triton's bundled ptxas (not interpreted, empty
-    kernel cache), registers and spills recorded, and the launch configs hold: at d = 32
-    nothing spills; at d = 64 the scatter launches run 32 warps (``_gathered_warps``:
-    messages backward 4 B instead of the 152 B of 8 warps, scores backward 140 B instead
-    of 260 B; with candidate lists instead of the parent lists the kernels take now, 0 /
-    100 B) and the fused final level's backward, scattering ``dk`` / ``dv`` in chunks of
-    channels, spills less than half of what the four-tile version did (B 476 B, A 1172
-    B; now 132 / 232 B)."""
-    import json
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    env['TRITON_CACHE_DIR'] = str(tmp_path / 'cache')
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, 'tools/analysis/gpu_kernel_check.py', '--aot', '90',
-                          '--kernels', 'quadtree', '--cases', 'qt-b0-stage2,qt-b1-stage1',
-                          '--dtypes', 'fp32', '--out', str(tmp_path)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads((tmp_path / 'gpu_kernel_aot.json').read_text())
-    assert report['passed'] and report['target'] == 'cuda sm_90'
-    names = sorted(['scores', 'scores_backward', 'messages', 'messages_backward',
-                    'final_level_b', 'final_level_b_backward', 'final_level_a',
-                    'final_level_a_backward'])
-    for case, d in (('qt-b0-stage2', 32), ('qt-b1-stage1', 64)):
-        recs = {r['function']: r for r in report['records'] if r['case'] == case}
-        assert sorted(recs) == names, case
-        for r in recs.values():
-            assert r['kernel'] == 'quadtree' and r['cubin_bytes'] > 0, r
-            assert r['registers'] is not None and r['spill_store_bytes'] is not None, r
-            assert r['constexprs']['BLOCK_D'] == d and r['constexprs']['BLOCK_K'] == 128
-            if d == 32:
-                assert r['spill_store_bytes'] == 0, r
-    for name in ('scores_backward', 'messages_backward'):
-        assert recs[name]['options']['num_warps'] == 32
-    assert recs['messages_backward']['spill_store_bytes'] < 152 / 4
-    assert recs['scores_backward']['spill_store_bytes'] < 260
-    assert recs['final_level_b_backward']['constexprs']['CHUNK_D'] == 8
-    assert recs['final_level_b_backward']['spill_store_bytes'] < 476 / 2
-    assert recs['final_level_a_backward']['spill_store_bytes'] < 1172 / 4
-    # the forward launches do not spill
-    for name in ('scores', 'messages', 'final_level_b', 'final_level_a'):
-        assert recs[name]['spill_store_bytes'] == 0, recs[name]
 
 
 def test_gpu_check_tool_quadtree_compile_and_timing_paths(monkeypatch):

@@ -3,8 +3,8 @@
     python tools/analysis/gpu_kernel_check.py --out work_dirs/gpu_check
     python tools/analysis/gpu_kernel_check.py --out DIR --batch 8 --dtypes fp32,bf16 --compile
 
-For each kernel (``fla``, the FLA core of ``focused_linear_attention_triton``, and
-``quadtree``, the finer-level kernels of ``quadtree_attention_triton``; ``--kernels``) and
+For each kernel (``fla``, the FLA core of ``ops.fla_triton``, and
+``quadtree``, the finer-level kernels of ``ops.quadtree_triton``; ``--kernels``) and
 each of its cases (``FLA_CASES``: the token maps / widths / heads / ``sr_ratio`` of the
 FLatten backbones' global FLA stages at a 512² input, up to 128² tokens; ``QT_CASES``: the
 QuadTree-PVTv2 stages with finer levels, see ``check_quadtree``; ``DEFAULT_CASES`` +
@@ -33,18 +33,13 @@ same near-tie rule). ``--compile``: the
 ``QuadTreeAttention`` module (float32, same near-tie rule) against eager. Timings: the ops
 and the core (B).
 
-``--aot`` also compiles the QuadTree kernels (``quadtree_attention_triton.aot_specs``) of
-each selected QuadTree case and dtype.
-
 Writes ``<out>/gpu_kernel_check.json`` (device, versions, date, one record per case;
 rewritten after every case, so a run cut short keeps what it checked; a case that raises is
 recorded with its error) and exits 1 if a check failed, 2 without a CUDA device (nothing
 is written then).
 
-``--aot 90`` (no GPU needed) instead compiles every kernel as the launches of each case and
-dtype would, for that compute capability, down to the cubin with Triton's bundled ``ptxas``,
-and records registers and spills per kernel (``<out>/gpu_kernel_aot.json``; exit 1 if a
-kernel fails to compile). Run it without ``TRITON_INTERPRET``.
+Ahead-of-time compilation for several GPU generations without a GPU (shared memory,
+registers, spills against each target's limits) is ``tools/analysis/kernel_limits.py``.
 """
 import argparse
 import contextlib
@@ -74,6 +69,7 @@ FLA_CASES = {
     'swin-t-stage2': (64, 192, 6, 1),
     'cswin-t-branch1': (128, 32, 1, 1),
     'reduced-keys-sr4': (64, 64, 2, 4),
+    'head-dim-128': (64, 128, 1, 1),  # the largest head dim check_inputs admits
 }
 #: checked by default (distinct kernel specialisations: heads 1 / 2 / 3 / 8, head dim 32 /
 #: 64, keys reduced or not, the operators' projected path; about 60 Triton compilations, so
@@ -134,8 +130,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='QuadTree core / compile: below this relative top-k margin '
                         '(k-th vs (k+1)-th weight) a selection may flip between the paths; '
                         'what it reaches is left out of the comparison and recorded')
-    parser.add_argument('--aot', type=int, metavar='SM', default=None,
-                        help='compile only, for compute capability SM (e.g. 90); no GPU needed')
+    parser.add_argument('--safety', action='store_true',
+                        help='also the GPU-safety checks (safety_checks): first-use verdicts '
+                        'in auto mode, TF32, bitwise repeatability, NaN / Inf, a second '
+                        'device, dynamic shapes under torch.compile')
     args = parser.parse_args(argv)
     args.kernels = _choices(args.kernels, KERNELS, 'kernel', parser)
     args.cases = _choices(args.cases, _all_cases(), 'case', parser)
@@ -197,8 +195,8 @@ def _fla_operator_check(case: str, args: argparse.Namespace) -> Dict:
     ``fullgraph``) against eager."""
     import copy
 
-    from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
-                                          focused_linear_attention_triton as fla_triton)
+    from flatten_mm.models.layers import FocusedLinearAttention, FocusedLinearAttentionQKV
+    from flatten_mm.models.ops import fla_triton
     side, C, h, _ = FLA_CASES[case]
     dev = getattr(args, 'device', 'cuda')
     torch.manual_seed(args.seed)
@@ -395,11 +393,11 @@ def _qt_level_inputs(case: str, dtype: torch.dtype, args: argparse.Namespace) ->
         return torch.randn(*shape, device=dev, generator=gen)
 
     prev_idx = torch.rand(B, h, L, L, device=dev, generator=gen).topk(topk, dim=-1).indices
-    cand = qa._child_candidates(prev_idx, ps)
+    cand = qa.child_candidates(prev_idx, ps)
     cell_width = ps
-    q = (qa._group_children(rand(B, C, side, side), h) * d**-0.5).to(dtype)
-    k = qa._to_heads(rand(B, C, side, side), h).to(dtype)
-    v = qa._to_heads(rand(B, C, side, side), h).to(dtype)
+    q = (qa.group_children(rand(B, C, side, side), h) * d**-0.5).to(dtype)
+    k = qa.to_heads(rand(B, C, side, side), h).to(dtype)
+    v = qa.to_heads(rand(B, C, side, side), h).to(dtype)
     w = torch.softmax(rand(B, h, L, 4, 4 * topk), dim=-1).to(dtype)
     ps = torch.softmax(rand(B, h, L, topk), dim=-1).to(dtype)  # the coarser level's weights
     scale = (torch.rand((), device=dev, generator=gen) * 0.9 + 0.05).to(dtype)
@@ -416,7 +414,7 @@ def _qt_ops(cand: torch.Tensor, cells: torch.Tensor, cell_width: int) -> Dict:
     children as in the core; the PyTorch path takes the candidate rows ``cand``. The level
     weight enters the kernel in float32 (as the core passes it)."""
     from flatten_mm.models.layers import quadtree_attention as qa
-    from flatten_mm.models.layers import quadtree_attention_triton as qt
+    from flatten_mm.models.ops import quadtree_triton as qt
 
     def final_torch(q, k, v):
         s = qa.gathered_scores(q, k, cand, use_triton=False)
@@ -473,7 +471,7 @@ def _near_ties(ties: list, threshold: float, S: int, side: int) -> Iterator[None
         tie = (top[..., k - 1] - top[..., k]) < threshold * top[..., k - 1]
         sl = side >> (S - 1 - level)
         if level > 0:  # (B, h, L, 4) grouped by parent -> raster
-            tie = qa._children_to_raster(tie[..., None], (sl, sl))[..., 0]
+            tie = qa.children_to_raster(tie[..., None], (sl, sl))[..., 0]
         ties.append((level, tie.reshape(tie.shape[0], tie.shape[1], sl, sl)))
 
     qa._record_margin = record
@@ -553,7 +551,7 @@ def _qt_core_check(case: str, attn_type: str, args: argparse.Namespace) -> Dict:
                max_rel={}, skipped=[])
     # results as (B, h, tokens, X) rows of one level, with the level's near-tie mask
     rows = [('out', S - 1, kern[0], torch_path[0])]
-    rows += [(f'dq{i}', i, qa._to_heads(kern[1 + i], h), qa._to_heads(torch_path[1 + i], h))
+    rows += [(f'dq{i}', i, qa.to_heads(kern[1 + i], h), qa.to_heads(torch_path[1 + i], h))
              for i in range(S)]
     for name, level, a, b in rows:
         keep = ~(masks if name == 'out' else dq_masks)[level][..., None]
@@ -639,7 +637,7 @@ def _qt_module_check(case: str, attn_type: str, args: argparse.Namespace) -> Dic
     (``final_level_projected_triton``: the finest query and key, and A's value, recomputed
     from the block input in the backward), against ``use_triton=False``: output and the
     gradients of input and parameters, float32. Near ties as in ``_qt_compile_check``."""
-    from flatten_mm.models.layers import quadtree_attention_triton as qt_triton
+    from flatten_mm.models.ops import quadtree_triton as qt_triton
     side, _, _, S, _ = QT_CASES[case]
     m, run = _qt_module_runner(case, attn_type, args, 4)
     calls = []
@@ -733,89 +731,182 @@ def check_quadtree(case: str, dtype_name: str, args: argparse.Namespace) -> Dict
     return rec
 
 
+def _safety_operators(dev: str, small: bool = False):
+    """FLA (FLatten-PVT without and with key reduction, FLatten-Swin) and QuadTree (A and
+    B) operators on ``dev`` and their map sizes, for ``safety_checks`` (``small``: a
+    fraction of the sizes, for the interpreted CPU test of this tool)."""
+    from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
+                                          QuadTreeAttention)
+    torch.manual_seed(0)
+    c, side, qside, levels = (16, 6, 8, 2) if small else (64, 24, 32, 3)
+    ops = {
+        'fla-pvt': (FocusedLinearAttention(c, 1, pretrain_hw_shape=(side, side)), side),
+        'fla-pvt-sr2': (FocusedLinearAttention(c, 2, sr_ratio=2,
+                                               pretrain_hw_shape=(side, side)), side),
+        'fla-swin': (FocusedLinearAttentionQKV(c + c // 2, 3, pretrain_hw_shape=(side, side)),
+                     side),
+        'quadtree-b': (QuadTreeAttention(c, 2, attn_type='B', num_levels=levels, topk=8),
+                       qside),
+        'quadtree-a': (QuadTreeAttention(c, 2, attn_type='A', num_levels=levels, topk=8),
+                       qside),
+    }
+    for m, _ in ops.values():
+        with torch.no_grad():
+            for name, prm in m.named_parameters():
+                if name in ('scale', 'positional_encoding'):
+                    prm.normal_(0, 0.3)
+        m.to(dev)
+    return {name: (m, (n, n)) for name, (m, n) in ops.items()}
+
+
+def _operator_step(m, hw, x, use_triton, dtype=None):
+    """Output, input gradient and parameter gradients of one forward + backward."""
+    m.use_triton = use_triton
+    m.zero_grad(set_to_none=True)
+    xi = x.detach().clone().requires_grad_(True)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        out = m(xi, hw)
+    out.float().backward(torch.ones_like(out, dtype=torch.float32))
+    return [out.detach().float(), xi.grad] + [
+        p.grad for p in m.parameters() if p.grad is not None]
+
+
+def safety_checks(args: argparse.Namespace) -> Dict:
+    """The GPU-safety checks (issue: the GPU path must be safe on every GPU), one record:
+
+    * ``verdicts``: each operator once in auto mode (``use_triton=None``), fp32, bf16 and
+      fp16 autocast; the first-use verdicts of ``ops.dispatch`` and every warning raised;
+    * ``tf32``: the same with TF32 matmuls allowed (kernels with ``tf32`` precision), each
+      operator's output against ``use_triton=False`` under TF32, within the dispatch's
+      TF32 tolerance;
+    * ``repeat``: two identical steps per operator with the kernels forced, bitwise equal
+      or not (FLA must be; QuadTree's backward uses float atomics: its result is recorded);
+      and with ``torch.use_deterministic_algorithms(True)``, QuadTree (auto mode) bitwise
+      repeatable;
+    * ``nan``: a NaN (the GPU's own) and an Inf in the input: the kernels' non-finite
+      pattern equals the PyTorch path's (fp32, bf16 autocast);
+    * ``second_device``: with two GPUs, each operator on ``cuda:1`` while ``cuda:0`` is
+      current, against the PyTorch path on ``cuda:1``;
+    * ``dynamic``: each FLA operator compiled with ``dynamic=True`` (inductor) run at two
+      map sizes, against eager.
+    """
+    import copy
+    import warnings
+
+    from flatten_mm.models.ops import dispatch
+    dev = getattr(args, 'device', 'cuda')
+    tol = args.tol * 10
+    rec: Dict = dict(passed=True)
+
+    def close(a, b, t):
+        return max(_max_rel(x, y.double()) for x, y in zip(a, b)) <= t
+
+    ops = _safety_operators(dev, getattr(args, 'safety_small', False))
+
+    def x_for(m, hw, seed=1):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        return torch.randn(2, hw[0] * hw[1], m.embed_dims, device=dev, generator=gen)
+
+    # first-use verdicts in auto mode
+    dispatch.reset()
+    caught_all = []
+    for amp in (None, torch.bfloat16, torch.float16):
+        for name, (m, hw) in ops.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter('always')
+                _operator_step(m, hw, x_for(m, hw), None, amp)
+            caught_all += [str(w.message) for w in caught if 'flatten_mm' in str(w.message)]
+    rec['verdicts'] = [dict(family=f, device=d, key=list(k), passed=ok)
+                       for (f, d, k), ok in dispatch.verdicts().items()]
+    rec['warnings'] = caught_all
+    # TF32
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        rec['tf32'] = {}
+        for name, (m, hw) in ops.items():
+            x = x_for(m, hw)
+            kern = _operator_step(m, hw, x, None)
+            ref = _operator_step(m, hw, x, False)
+            err = max(_max_rel(a, b.double()) for a, b in zip(kern, ref))
+            rec['tf32'][name] = dict(max_rel=err, passed=err <= dispatch.TOLERANCES['tf32'])
+            rec['passed'] &= rec['tf32'][name]['passed']
+        rec['tf32_verdicts'] = [dict(family=f, key=list(k), passed=ok) for (f, _, k), ok
+                                in dispatch.verdicts().items() if 'tf32' in k]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    # bitwise repeatability
+    rec['repeat'] = {}
+    for name, (m, hw) in ops.items():
+        x = x_for(m, hw)
+        a, b = _operator_step(m, hw, x, True), _operator_step(m, hw, x, True)
+        same = all(torch.equal(p, q) for p, q in zip(a, b))
+        rec['repeat'][name] = dict(bitwise_equal=same)
+        if name.startswith('fla'):
+            rec['passed'] &= same
+    torch.use_deterministic_algorithms(True)
+    try:
+        for name in ('quadtree-b', 'quadtree-a'):
+            m, hw = ops[name]
+            x = x_for(m, hw)
+            a, b = _operator_step(m, hw, x, None), _operator_step(m, hw, x, None)
+            same = all(torch.equal(p, q) for p, q in zip(a, b))
+            rec['repeat'][name]['deterministic_mode_bitwise_equal'] = same
+            rec['passed'] &= same
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # NaN / Inf
+    rec['nan'] = {}
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)[0]
+    for name, (m, hw) in ops.items():
+        for amp in (None, torch.bfloat16):
+            x = x_for(m, hw)
+            x[0, 3, 1] = nan.to(dev)
+            x[1, 7, 2] = float('inf')
+            kern = _operator_step(m, hw, x, True, amp)
+            ref = _operator_step(m, hw, x, False, amp)
+            same = all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+                       for a, b in zip(kern, ref))
+            rec['nan'][f"{name}-{'fp32' if amp is None else 'bf16'}"] = dict(same_pattern=same)
+            rec['passed'] &= same
+    # a second device
+    if dev == 'cuda' and torch.cuda.device_count() > 1:
+        rec['second_device'] = {}
+        torch.cuda.set_device(0)
+        for name, (m, hw) in ops.items():
+            m1 = copy.deepcopy(m).to('cuda:1')
+            x = x_for(m, hw).to('cuda:1')
+            kern = _operator_step(m1, hw, x, True)
+            ref = _operator_step(m1, hw, x, False)
+            ok = close(kern, ref, tol)
+            rec['second_device'][name] = dict(passed=ok)
+            rec['passed'] &= ok
+    else:
+        rec['second_device'] = 'one device only'
+    # dynamic shapes under torch.compile
+    if args.compile:
+        rec['dynamic'] = {}
+        for name in ('fla-pvt', 'fla-swin'):
+            m, _ = ops[name]
+            torch._dynamo.reset()
+            compiled = torch.compile(m, backend='inductor', dynamic=True, fullgraph=True)
+            errs = []
+            for side in (16, 24):
+                x = x_for(m, (side, side))
+                m.use_triton = None
+                with torch.no_grad():
+                    errs.append(_max_rel(compiled(x, (side, side)), m(x, (side, side)).double()))
+            rec['dynamic'][name] = dict(max_rel=max(errs), passed=max(errs) <= tol)
+            rec['passed'] &= rec['dynamic'][name]['passed']
+    return rec
+
+
 CHECKS = {'fla': (check_fla, CASES_OF['fla']),
           'quadtree': (check_quadtree, CASES_OF['quadtree'])}
 
 
-def _ptxas_stats(ptx: str, sm: int) -> Dict:
-    """Registers and spill bytes of one kernel by Triton's bundled ``ptxas -v``."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    ptxas = osp.join(osp.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas')
-    arch = f'sm_{sm}a' if sm >= 90 else f'sm_{sm}'
-    with tempfile.TemporaryDirectory() as tmp:
-        path = osp.join(tmp, 'k.ptx')
-        with open(path, 'w') as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, f'-arch={arch}', '-v', path, '-o', osp.join(tmp, 'k.o')],
-                             capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    regs = re.search(r'Used (\d+) registers', text)
-    spills = re.search(r'(\d+) bytes spill stores, (\d+) bytes spill loads', text)
-    return dict(registers=int(regs.group(1)) if regs else None,
-                spill_store_bytes=int(spills.group(1)) if spills else None,
-                spill_load_bytes=int(spills.group(2)) if spills else None)
-
-
-def aot_compile(args: argparse.Namespace) -> int:
-    """``--aot``: compile every kernel of every case / dtype for ``args.aot``; JSON report."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from flatten_mm.models.layers import focused_linear_attention_triton as fla_triton
-    from flatten_mm.models.layers import quadtree_attention_triton as qt_triton
-    if fla_triton.INTERPRETED or qt_triton.INTERPRETED:
-        print('gpu_kernel_check --aot: unset TRITON_INTERPRET (the kernels are interpreted)',
-              file=sys.stderr)
-        return 2
-
-    def specs(kernel: str, case: str, dtype: torch.dtype) -> list:
-        if kernel == 'fla':
-            _, C, h, _ = FLA_CASES[case]
-            return fla_triton.aot_specs(C, h, 3, dtype)
-        _, C, h, _, topk = QT_CASES[case]
-        return qt_triton.aot_specs(4 * topk, C // h, dtype)
-
-    records = []
-    for kernel, case in [(k, c) for k in args.kernels for c in CASES_OF[k](args)]:
-        for dtype_name in args.dtypes:
-            for name, fn, sig, const, options in specs(kernel, case, DTYPES[dtype_name]):
-                rec = dict(kernel=kernel, case=case, dtype=dtype_name, function=name,
-                           constexprs={k: v for k, v in const.items()}, options=options)
-                try:
-                    compiled = triton.compile(ASTSource(fn, sig, const),
-                                              target=GPUTarget('cuda', args.aot, 32),
-                                              options=options)
-                    rec.update(passed=True, cubin_bytes=len(compiled.asm['cubin']),
-                               shared_bytes=compiled.metadata.shared,
-                               **_ptxas_stats(compiled.asm['ptx'], args.aot))
-                except Exception as e:  # report every failing kernel, not just the first
-                    rec.update(passed=False, error=f'{type(e).__name__}: {e}'[:2000])
-                print(f"{case:20s} {dtype_name:5s} {name:22s} "
-                      + (f"ok   regs={rec['registers']} spills={rec['spill_store_bytes']}"
-                         if rec['passed'] else 'FAIL ' + rec['error'].splitlines()[0]),
-                      flush=True)
-                records.append(rec)
-    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-                  target=f'cuda sm_{args.aot}', torch=torch.__version__,
-                  triton=triton.__version__, argv=sys.argv[1:],
-                  passed=all(r['passed'] for r in records), records=records)
-    os.makedirs(args.out, exist_ok=True)
-    path = osp.join(args.out, 'gpu_kernel_aot.json')
-    with open(path, 'w') as f:
-        json.dump(report, f, indent=1)
-    print(f"{'all compiled' if report['passed'] else 'FAILED'}; wrote {path}")
-    return 0 if report['passed'] else 1
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.aot is not None:
-        return aot_compile(args)
     if not torch.cuda.is_available():
         print('gpu_kernel_check: needs a CUDA device (torch.cuda.is_available() is False); '
               'the CPU tests run the kernels under TRITON_INTERPRET=1 instead '
@@ -869,6 +960,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     passed=all(r['passed'] for r in records), records=records)
                 with open(path, 'w') as f:
                     json.dump(report, f, indent=1)
+    if args.safety:
+        try:
+            safety = safety_checks(args)
+        except Exception as e:  # recorded like a failed case
+            safety = dict(passed=False, error=f'{type(e).__name__}: {e}'[:2000])
+        for v in safety.get('verdicts', []):
+            print(f"first-use {v['family']:8s} {v['device']} {'ok  ' if v['passed'] else 'FAIL'}"
+                  f" {tuple(v['key'])}", flush=True)
+        for w in safety.get('warnings', []):
+            print('warning:', w)
+        print(f"safety   {'ok  ' if safety['passed'] else 'FAIL'} " + json.dumps(
+            {k: v for k, v in safety.items() if k not in ('verdicts', 'warnings')})[:2000])
+        report['safety'] = safety
+        report['passed'] = report['passed'] and safety['passed']
+        with open(path, 'w') as f:
+            json.dump(report, f, indent=1)
     print(f"{'all passed' if report['passed'] else 'FAILED'}; wrote {path}")
     return 0 if report['passed'] else 1
 

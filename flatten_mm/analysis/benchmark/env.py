@@ -21,7 +21,7 @@ def environment() -> Dict[str, Any]:
         pass
     if torch.cuda.is_available():
         info['gpu'] = torch.cuda.get_device_name(0)
-    from flatten_mm.models.layers import cpu_kernels
+    from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
     cpu_kernels.quadtree_level_kernel()  # built here, not inside a timed call
     info['cpu_kernels'] = cpu_kernels.status()
     return info

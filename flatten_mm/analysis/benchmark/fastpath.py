@@ -69,8 +69,8 @@ def check_fast_paths(device: str = 'cpu') -> Dict[str, Any]:
         (``syncs.backbone_host_syncs``; empty lists expected).
     """
     from flatten_mm.models.layers import (FocusedLinearAttention, QuadTreeAttention,
-                                          ShiftedWindowAttention, cpu_kernels, nchw_to_nlc,
-                                          nlc_to_nchw)
+                                          ShiftedWindowAttention, nchw_to_nlc, nlc_to_nchw)
+    from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
     from flatten_mm.models.layers.conv import token_conv
     from flatten_mm.models.layers.focused_linear_attention import (
         depthwise_conv_heads, focused_linear_core, focused_linear_core_reference)

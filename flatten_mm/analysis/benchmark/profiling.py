@@ -324,8 +324,8 @@ def forced_kernels(model: nn.Module) -> Iterator[int]:
 
 
 #: one kernel of each module of Triton kernels (checked to be interpreted)
-_KERNEL_MODULES = (('flatten_mm.models.layers.focused_linear_attention_triton', '_fla_kv_fwd'),
-                   ('flatten_mm.models.layers.quadtree_attention_triton',
+_KERNEL_MODULES = (('flatten_mm.models.ops.fla_triton', '_fla_kv_fwd'),
+                   ('flatten_mm.models.ops.quadtree_triton',
                     '_qt_gathered_kernel'))
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.layout import map_as_tokens, tokens_as_map
+
 
 def depthwise_conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """``conv(x)`` for a (depth-wise) ``nn.Conv2d``; channels-last on CPU.
@@ -28,23 +30,6 @@ def depthwise_conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         y = conv(x.contiguous(memory_format=torch.channels_last))
         return y.contiguous()
     return conv(x)
-
-
-def tokens_as_map(x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
-    """View tokens ``(B, N, C)`` as a ``(B, C, H, W)`` map in channels-last order (no copy
-    for contiguous tokens)."""
-    B, N, C = x.shape
-    H, W = hw_shape
-    if N != H * W:
-        raise ValueError(f'token count {N} does not match hw_shape {tuple(hw_shape)}')
-    return x.reshape(B, H, W, C).permute(0, 3, 1, 2)
-
-
-def map_as_tokens(x: torch.Tensor) -> torch.Tensor:
-    """View a ``(B, C, H, W)`` map as tokens ``(B, H*W, C)`` (no copy for a
-    channels-last map)."""
-    B, C, H, W = x.shape
-    return x.permute(0, 2, 3, 1).reshape(B, H * W, C)
 
 
 def repeat_depthwise(conv: nn.Conv2d, repeat: int):

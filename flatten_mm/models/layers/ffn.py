@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .autograd_paths import autocast_operands, recorded_eagerly
+from ..ops.autograd_paths import autocast_operands, recorded_eagerly
 from .conv import token_conv
 
 

@@ -17,20 +17,21 @@ The kernel (steps ReLU ... normaliser) always runs in float32, also under autoca
 No ``N x N`` tensor is formed: cost and memory are linear in the token count.
 
 On CUDA the kernel + linear attention run as fused Triton kernels (forward and backward,
-``focused_linear_attention_triton``) when Triton imports; ``use_triton=False`` (operator
-argument) or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path below. There
+``ops.fla_triton``), chosen by ``ops.dispatch`` (gates, then a first-use check against the
+PyTorch path below, which stays the fallback); ``use_triton=False`` (operator argument)
+or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path. With the kernels,
 ``FocusedLinearAttention`` without key reduction also recomputes K, V from its input in
 the backward rather than keeping them, and ``FocusedLinearAttentionQKV`` Q, K, V
 (``fla_projected_triton``).
 """
-import os
-import warnings
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import dispatch
+from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import depthwise_conv, repeat_depthwise, token_conv
 from .kv_reduction import KVReductionMixin
 from .pos_embed import _is_compiling, resize_loaded_pos_table, resize_pos_table
@@ -38,67 +39,38 @@ from .window import (crop_padding, effective_shift, pad_to_multiple, window_part
                      window_reverse)
 
 
-#: environment switch: ``FLATTEN_MM_TRITON=0`` turns the fused Triton kernels off
-TRITON_ENV = 'FLATTEN_MM_TRITON'
-_triton_failed: Optional[str] = None  # why importing the kernels failed (auto mode)
+def _kernels():
+    """The Triton kernel module (imported only once ``ops.dispatch`` said it imports; a
+    plain import, which ``torch.compile`` traces without a graph break)."""
+    from ..ops import fla_triton
+    return fla_triton
 
 
-def triton_env_enabled() -> bool:
-    """``False`` when ``FLATTEN_MM_TRITON`` is ``0`` / ``false`` / ``no`` / ``off``."""
-    return os.environ.get(TRITON_ENV, '1').strip().lower() not in ('0', 'false', 'no', 'off')
+def _fla_key(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+             focusing_factor: int, k_pos: Optional[torch.Tensor],
+             residual: Optional[torch.Tensor], *extra) -> tuple:
+    """The first-use key of an FLA kernel call: the op and all that selects its compiled
+    specialisation (dtypes, matmul precision, channels, heads, power, optional inputs)."""
+    return (op, _dt(v), dispatch.precision_name(torch.float32), _dt(q), _dt(k),
+            _dt(residual), int(q.shape[-1]), int(num_heads), int(focusing_factor),
+            _dt(k_pos)) + tuple(extra)
 
 
 def _use_fla_triton(use_triton: Optional[bool], q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, scale: torch.Tensor, num_heads: int,
                     focusing_factor: int, k_pos: Optional[torch.Tensor],
                     residual: Optional[torch.Tensor] = None) -> bool:
-    """Whether ``focused_linear_core`` runs the fused Triton kernels.
+    """Whether ``focused_linear_core`` runs the fused Triton kernels (``ops.dispatch``:
+    ``FLATTEN_MM_TRITON=0`` or ``use_triton=False`` never; ``None`` on CUDA after the gates
+    and the first-use check; ``True`` always, else an error saying why not; CPU tensors
+    need ``TRITON_INTERPRET=1``, the tests' way to run the kernels without a GPU)."""
+    def why_not():
+        return _kernels().check_inputs(
+            q, k, v, scale, num_heads, focusing_factor, k_pos, residual)
 
-    ``FLATTEN_MM_TRITON=0`` or ``use_triton=False``: never. ``None`` (auto): on CUDA tensors
-    the kernels take (``check_inputs``), when Triton imports, outside ONNX export / tracing.
-    ``True``: always, else a ``ValueError`` / ``RuntimeError`` saying why not (CPU tensors
-    need ``TRITON_INTERPRET=1``: the tests' way to run the kernels without a GPU)."""
-    if use_triton is False or use_triton is None and not q.is_cuda:
-        return False  # (first: nothing else is looked at on the CPU path, e.g. under dynamo)
-    if not triton_env_enabled():
-        return False
-    if use_triton is None:
-        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or not _triton_imports():
-            return False
-    elif use_triton is not True:
-        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
-    elif not _triton_imports():
-        raise RuntimeError(f'use_triton=True but the FLA Triton kernels do not import: '
-                           f'{_triton_failed}')
-    from . import focused_linear_attention_triton as fla_triton
-    why = fla_triton.check_inputs(q, k, v, scale, num_heads, focusing_factor, k_pos,
-                                  residual)
-    if why is not None and use_triton:
-        raise ValueError(f'use_triton=True but the FLA Triton kernels cannot take these '
-                         f'inputs: {why}')
-    return why is None
-
-
-@torch.compiler.assume_constant_result  # (a constant under torch.compile: no graph break)
-def _triton_imports() -> bool:
-    """Whether the kernel module imports (tried once; the first failure is warned about)."""
-    global _triton_failed
-    if _triton_failed is not None:
-        return False
-    try:
-        from . import focused_linear_attention_triton  # noqa: F401
-        return True
-    except Exception as e:  # ImportError, or a Triton that fails to initialise
-        _triton_failed = f'{type(e).__name__}: {e}'
-        warnings.warn(f'flatten_mm: FLA Triton kernels unavailable, using the PyTorch path '
-                      f'({_triton_failed})', RuntimeWarning, stacklevel=4)
-        return False
-
-
-def _check_use_triton(use_triton: Optional[bool]) -> Optional[bool]:
-    if not (use_triton is None or isinstance(use_triton, bool)):
-        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
-    return use_triton
+    return dispatch.use_kernels(
+        use_triton, 'fla', q, why_not,
+        lambda: _fla_key('fla_core', q, k, v, num_heads, focusing_factor, k_pos, residual))
 
 
 def focused_feature_map(x: torch.Tensor, scale: torch.Tensor,
@@ -223,9 +195,22 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f'{tuple(q.shape)}')
     if _use_fla_triton(use_triton, q, k, v, scale, num_heads, focusing_factor, k_pos,
                        residual):
-        from .focused_linear_attention_triton import fla_core_triton
-        return fla_core_triton(q, k, v, scale, num_heads, focusing_factor, k_pos=k_pos,
-                               residual=residual)
+        return dispatch.guarded(
+            'fla', _fla_key('fla_core', q, k, v, num_heads, focusing_factor, k_pos, residual),
+            q.device, use_triton is True,
+            lambda: _kernels().fla_core_triton(
+                q, k, v, scale, num_heads, focusing_factor, k_pos=k_pos, residual=residual),
+            lambda: _focused_linear_core_torch(q, k, v, scale, num_heads, focusing_factor,
+                                               k_pos, residual))
+    return _focused_linear_core_torch(q, k, v, scale, num_heads, focusing_factor, k_pos,
+                                      residual)
+
+
+def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               scale: torch.Tensor, num_heads: int, focusing_factor: int,
+                               k_pos: Optional[torch.Tensor],
+                               residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The PyTorch path of ``focused_linear_core`` (the reference of the kernels)."""
     out_dtype = v.dtype
     B, N, C = q.shape
     n = k.shape[1]
@@ -273,24 +258,73 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out if residual is None else out + residual.to(out_dtype)
 
 
-def _projected_path(use_triton: Optional[bool], q: torch.Tensor, x: torch.Tensor,
+def _projected_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the projection of ``x`` runs in (autocast's, inside a region)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def _projected_key(q: Optional[torch.Tensor], x: torch.Tensor, num_heads: int,
+                   focusing_factor: int, k_pos: Optional[torch.Tensor], linear: nn.Linear,
+                   conv: nn.Conv2d) -> tuple:
+    """The first-use key of ``fla_projected_triton`` (see ``_fla_key``)."""
+    dt = _projected_dtype(x)
+    return (('fla_projected', _dt(dt), dispatch.precision_name(torch.float32),
+             None if q is None else _dt(q), int(x.shape[-1]), int(num_heads),
+             int(focusing_factor), _dt(k_pos), int(conv.kernel_size[0]),
+             linear.bias is not None, conv.bias is not None))
+
+
+def _dt(t) -> Optional[str]:
+    """``'float32'`` for a float32 tensor or dtype (``None`` stays ``None``)."""
+    if t is None:
+        return None
+    return str(t if isinstance(t, torch.dtype) else t.dtype).replace('torch.', '')
+
+
+def _projected_path(use_triton: Optional[bool], q: Optional[torch.Tensor], x: torch.Tensor,
                     scale: torch.Tensor, num_heads: int, focusing_factor: int,
-                    k_pos: Optional[torch.Tensor], weight: torch.Tensor,
+                    k_pos: Optional[torch.Tensor], linear: nn.Linear,
                     conv: nn.Conv2d) -> bool:
     """Whether an FLA layer without key reduction runs ``fla_projected_triton`` (its
-    packed projection, DWC ``conv`` and core in one function): the FLA kernels apply
-    (``_use_fla_triton``; with ``use_triton=True`` an error says why not), the DWC is a
-    same-padding odd square kernel and, outside autocast, ``x`` and the parameters share a
-    dtype (metadata only: no tensor is made to decide)."""
-    if not _use_fla_triton(use_triton, q, x, x, scale, num_heads, focusing_factor, k_pos):
-        return False
+    packed projection ``linear``, DWC ``conv`` and core in one function): the FLA kernels
+    apply (``ops.dispatch``, first-use check of this configuration included; with
+    ``use_triton=True`` an error says why not), the DWC is a same-padding odd square kernel
+    and, outside autocast, ``x`` and the parameters share a dtype (metadata only: no
+    tensor is made to decide)."""
     k = conv.kernel_size[0]
     if (conv.kernel_size != (k, k) or k % 2 == 0 or conv.stride != (1, 1)
             or conv.dilation != (1, 1) or conv.padding != (k // 2, k // 2)
             or conv.padding_mode != 'zeros'):
         return False
-    return (torch.is_autocast_enabled(x.device.type)
-            or x.dtype == weight.dtype == conv.weight.dtype)
+    if not (torch.is_autocast_enabled(x.device.type)
+            or x.dtype == linear.weight.dtype == conv.weight.dtype):
+        return False
+
+    def why_not():
+        return _kernels().check_inputs(
+            x if q is None else q, x, x, scale, num_heads, focusing_factor, k_pos)
+
+    return dispatch.use_kernels(
+        use_triton, 'fla', x, why_not,
+        lambda: _projected_key(q, x, num_heads, focusing_factor, k_pos, linear, conv))
+
+
+def _run_projected(use_triton: Optional[bool], q: Optional[torch.Tensor], x: torch.Tensor,
+                   scale: torch.Tensor, num_heads: int, focusing_factor: int,
+                   hw_shape: Tuple[int, int], k_pos: Optional[torch.Tensor],
+                   linear: nn.Linear, conv: nn.Conv2d) -> Optional[torch.Tensor]:
+    """``fla_projected_triton`` of a layer, or ``None`` if the kernels raised (auto mode,
+    eagerly: warned once; the caller then takes its unfused path)."""
+    return dispatch.guarded(
+        'fla', _projected_key(q, x, num_heads, focusing_factor, k_pos, linear, conv),
+        x.device, use_triton is True,
+        lambda: _kernels().fla_projected_triton(
+            q, x, linear.weight, linear.bias, scale, num_heads, focusing_factor, hw_shape,
+            *repeat_depthwise(conv, num_heads), k_pos=k_pos),
+        lambda: None)
 
 
 class FocusedLinearAttention(KVReductionMixin, nn.Module):
@@ -332,7 +366,7 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
                  pe_interp_mode: str = 'bilinear',
                  use_triton: Optional[bool] = None) -> None:
         super().__init__()
-        self.use_triton = _check_use_triton(use_triton)
+        self.use_triton = dispatch.check_use_triton(use_triton)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if attn_drop != 0:
@@ -397,14 +431,13 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         pe = resize_pos_table(self.positional_encoding, self.pe_hw_shape, kv_hw,
                               self.pe_interp_mode)
         if x_kv is x and _projected_path(self.use_triton, q, x, self.scale, self.num_heads,
-                                         self.focusing_factor, pe, self.kv.weight, self.dwc):
+                                         self.focusing_factor, pe, self.kv, self.dwc):
             # no key reduction (the released models): kv projection, DWC and core as one
             # function, whose backward recomputes k, v instead of keeping them
-            from .focused_linear_attention_triton import fla_projected_triton
-            out = fla_projected_triton(q, x, self.kv.weight, self.kv.bias, self.scale,
-                                       self.num_heads, self.focusing_factor, hw_shape,
-                                       *repeat_depthwise(self.dwc, self.num_heads), k_pos=pe)
-            return self.proj_drop(self.proj(out))
+            out = _run_projected(self.use_triton, q, x, self.scale, self.num_heads,
+                                 self.focusing_factor, hw_shape, pe, self.kv, self.dwc)
+            if out is not None:
+                return self.proj_drop(self.proj(out))
         k, v = self.kv(x_kv).chunk(2, dim=-1)
         # rank restoration: depthwise conv on V, shared by the heads
         n = v.shape[1]
@@ -489,7 +522,7 @@ class _FocusedLinearRegion(nn.Module):
                  pe_interp_mode: str = 'bilinear',
                  use_triton: Optional[bool] = None) -> None:
         super().__init__()
-        self.use_triton = _check_use_triton(use_triton)
+        self.use_triton = dispatch.check_use_triton(use_triton)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
         if pe_interp_mode not in ('bilinear', 'bicubic'):
@@ -635,16 +668,15 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
     def attend(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """``qkv`` -> FLA -> ``proj`` on tokens ``(B, N, C)`` of one region ``hw_shape``."""
         pe = self.region_pos_table(hw_shape)
+        out = None
         if x.shape[1] == hw_shape[0] * hw_shape[1] and _projected_path(
-                self.use_triton, x, x, self.scale, self.num_heads, self.focusing_factor, pe,
-                self.qkv.weight, self.dwc):
+                self.use_triton, None, x, self.scale, self.num_heads, self.focusing_factor, pe,
+                self.qkv, self.dwc):
             # the qkv projection, DWC and core as one function, whose backward recomputes
             # q, k, v instead of keeping them
-            from .focused_linear_attention_triton import fla_projected_triton
-            out = fla_projected_triton(None, x, self.qkv.weight, self.qkv.bias, self.scale,
-                                       self.num_heads, self.focusing_factor, hw_shape,
-                                       *repeat_depthwise(self.dwc, self.num_heads), k_pos=pe)
-        else:
+            out = _run_projected(self.use_triton, None, x, self.scale, self.num_heads,
+                                 self.focusing_factor, hw_shape, pe, self.qkv, self.dwc)
+        if out is None:
             q, k, v = self.qkv(x).chunk(3, dim=-1)
             out = self.attend_region(q, k, v, hw_shape, pe)
         return self.proj_drop(self.proj(out))
@@ -670,3 +702,76 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f', window_size={self.window_size}, shift={self.shift}'
+
+
+# ----------------------------------------------------------------------------------------
+# first-use check of the FLA kernels (ops.dispatch): a kernel configuration is used in auto
+# mode only after its forward and backward matched this module's PyTorch path once
+
+
+def _first_use_check(key: tuple, device: torch.device) -> None:
+    """Run the kernels of ``key`` (``_fla_key`` / ``_projected_key``) forward and backward
+    on a tiny input spanning two token tiles and a ragged tail, against the PyTorch path;
+    raise ``dispatch.KernelMismatch`` (or the kernels' error) if they differ."""
+    fla = _kernels()
+    dtypes = {n: getattr(torch, n) for n in ('float32', 'bfloat16', 'float16', 'float64')}
+    gen = dispatch.check_generator()
+    op, out_dt, prec = key[:3]
+    tol = max(dispatch.TOLERANCES[out_dt], dispatch.TOLERANCES['tf32'] if prec == 'tf32' else 0)
+
+    def rand(*shape, dtype='float32', scale=1.0):
+        t = torch.randn(*shape, generator=gen) * scale
+        return t.to(device=device, dtype=dtypes[dtype]).requires_grad_()
+
+    if op == 'fla_core':
+        _, _, _, q_dt, k_dt, res_dt, C, h, p, pos_dt = key
+        n = 2 * fla.tile_tokens(C, C // h) + 5
+        inputs = [rand(2, n, C, dtype=q_dt), rand(2, n, C, dtype=k_dt),
+                  rand(2, n, C, dtype=out_dt), rand(1, 1, C, scale=0.5),
+                  rand(1, n, C, dtype=pos_dt, scale=0.1) if pos_dt else None,
+                  rand(2, n, C, dtype=res_dt) if res_dt else None]
+
+        def run(use_triton):
+            q, k, v, scale, pos, res = inputs
+            if use_triton:
+                return fla.fla_core_triton(q, k, v, scale, h, p, k_pos=pos, residual=res)
+            return _focused_linear_core_torch(q, k, v, scale, h, p, pos, res)
+    elif op == 'fla_projected':
+        _, _, _, q_dt, C, h, p, pos_dt, ks, has_bias, has_dwc_bias = key
+        hw = (5, 2 * fla.tile_tokens(C, C // h) // 5 + 2)  # 2 tiles and a ragged tail
+        n = hw[0] * hw[1]
+        m = 3 if q_dt is None else 2
+        inputs = [None if q_dt is None else rand(2, n, C, dtype=q_dt),
+                  rand(2, n, C, dtype=out_dt), rand(m * C, C, dtype=out_dt, scale=C**-0.5),
+                  rand(m * C, dtype=out_dt, scale=0.1) if has_bias else None,
+                  rand(1, 1, C, scale=0.5),
+                  rand(1, n, C, dtype=pos_dt, scale=0.1) if pos_dt else None,
+                  rand(C, 1, ks, ks, dtype=out_dt, scale=0.2),
+                  rand(C, dtype=out_dt, scale=0.1) if has_dwc_bias else None]
+
+        def run(use_triton):
+            q, x, w, b, scale, pos, dw, db = inputs
+            if use_triton:
+                return fla.fla_projected_triton(q, x, w, b, scale, h, p, hw, dw, db, k_pos=pos)
+            parts = F.linear(x, w, b).split(C, dim=-1)
+            img = tokens_as_map(parts[-1], hw)
+            res = map_as_tokens(F.conv2d(img, dw, db, 1, ks // 2, 1, C))
+            return _focused_linear_core_torch(parts[0] if q is None else q, parts[-2],
+                                              parts[-1], scale, h, p, pos, res)
+    else:
+        raise ValueError(f'unknown FLA kernel op {op!r}')
+    leaves = [t for t in inputs if t is not None]
+    grad_out, results = None, []
+    for use_triton in (True, False):
+        out = run(use_triton)
+        if grad_out is None:
+            grad_out = torch.randn(out.shape, generator=gen).to(out)
+        results.append((out, torch.autograd.grad(out, leaves, grad_out)))
+    (outs, grads) = zip(*results)
+    dispatch.assert_close(f'{op} output', outs[0], outs[1], tol)
+    for i, (a, b) in enumerate(zip(*grads)):
+        dispatch.assert_close(f'{op} gradient of input {i}', a, b, tol)
+
+
+dispatch.register_first_use_check('fla', _first_use_check)
+

@@ -36,7 +36,7 @@ Implementation notes:
   A single-level B stage does not use it (the official code computes and discards it,
   failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
 * On CUDA the finer levels' gathered scores and messages (forward and backward) run as
-  Triton kernels (``quadtree_attention_triton``: no gathered key/value rows in memory,
+  Triton kernels (``ops.quadtree_triton``: no gathered key/value rows in memory,
   the key/value gradients by atomic scatter-add), and the final level as one fused
   kernel (scores + softmax (A: x prev_score) + messages, no ``(N, 4K)`` tensors), when Triton
   imports; the kernels take the ``K`` selected parent cells and derive their ``4K``
@@ -61,10 +61,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import cpu_kernels
-from .autograd_paths import autocast_operands, recorded_eagerly
-from .conv import tokens_as_map
-from .focused_linear_attention import _check_use_triton, triton_env_enabled
+from ..ops import dispatch
+from ..ops import quadtree_cpu as cpu_kernels
+from ..ops.autograd_paths import autocast_operands, recorded_eagerly
+from ..ops.layout import tokens_as_map
+from ..ops.quadtree_layout import (child_candidates, children_to_raster, flat_rows,
+                                   group_children, level_queries, to_heads, upsample_tokens)
 
 #: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
 MarginRecorder = Callable[[int, float], None]
@@ -76,14 +78,6 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------- kernels
-def _flat_rows(index: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Row numbers into a ``(B*h*M, d)`` table for a per-(batch, head) ``index (B, h, ...)``."""
-    B, h = index.shape[:2]
-    offset = torch.arange(B * h, device=index.device, dtype=index.dtype).view(
-        B, h, *([1] * (index.dim() - 2))) * num_rows
-    return (index + offset).reshape(-1)
-
-
 class _GatheredMatmul(torch.autograd.Function):
     """``a @ G^T`` (scores) or ``a @ G`` (messages) with ``G = src[index]`` per parent.
 
@@ -104,7 +98,7 @@ class _GatheredMatmul(torch.autograd.Function):
         out = a.new_empty(B, h, L, nf, K if transpose_src else d)
         for s in range(0, L, chunk):
             e = min(L, s + chunk)
-            rows = _flat_rows(index[:, :, s:e], M)
+            rows = flat_rows(index[:, :, s:e], M)
             g = table.index_select(0, rows).view(B, h, e - s, K, d)
             out[:, :, s:e] = a[:, :, s:e] @ (g.transpose(-1, -2) if transpose_src else g)
         ctx.save_for_backward(a, src, index)
@@ -126,7 +120,7 @@ class _GatheredMatmul(torch.autograd.Function):
         grad_table = torch.zeros_like(table) if need_src else None
         for s in range(0, L, chunk):
             e = min(L, s + chunk)
-            rows = _flat_rows(index[:, :, s:e], M)
+            rows = flat_rows(index[:, :, s:e], M)
             g = table.index_select(0, rows).view(B, h, e - s, K, d)
             gc = grad[:, :, s:e]
             if need_a:
@@ -139,70 +133,74 @@ class _GatheredMatmul(torch.autograd.Function):
         return grad_a, grad_src, None, None, None
 
 
-_qt_triton_failed: Optional[str] = None  # why importing the kernels failed (auto mode)
+def _kernels():
+    """The Triton kernel module (imported only once ``ops.dispatch`` said it imports; a
+    plain import, which ``torch.compile`` traces without a graph break)."""
+    from ..ops import quadtree_triton
+    return quadtree_triton
 
 
-@torch.compiler.assume_constant_result  # (a constant under torch.compile: no graph break)
-def _qt_triton_imports() -> bool:
-    """Whether the QuadTree kernel module imports (tried once; a failure is warned about)."""
-    global _qt_triton_failed
-    if _qt_triton_failed is not None:
-        return False
-    try:
-        from . import quadtree_attention_triton  # noqa: F401
-        return True
-    except Exception as e:  # ImportError, or a Triton that fails to initialise
-        _qt_triton_failed = f'{type(e).__name__}: {e}'
-        warnings.warn(f'flatten_mm: QuadTree Triton kernels unavailable, using the PyTorch '
-                      f'path ({_qt_triton_failed})', RuntimeWarning, stacklevel=4)
-        return False
+def _records_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _qt_triton_gate(use_triton: Optional[bool], x: torch.Tensor) -> bool:
-    """Whether the Triton kernels are wanted for tensors on ``x``'s device (shapes are
-    checked by ``_use_qt_triton``). ``FLATTEN_MM_TRITON=0`` or ``use_triton=False``: never;
-    ``None`` (auto): on CUDA when Triton imports, outside ONNX export / tracing; ``True``:
-    always (``RuntimeError`` if the kernels do not import; CPU tensors need
-    ``TRITON_INTERPRET=1``, the tests' way to run them without a GPU)."""
-    if use_triton is False or use_triton is None and not x.is_cuda:
-        return False  # (first: nothing else is looked at on the CPU path)
-    if not triton_env_enabled():
-        return False
-    if use_triton is None:
-        return not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-                    or not _qt_triton_imports())
-    if use_triton is not True:
-        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
-    if not _qt_triton_imports():
-        raise RuntimeError(f'use_triton=True but the QuadTree Triton kernels do not import: '
-                           f'{_qt_triton_failed}')
-    return True
+def _dt(t: Optional[torch.Tensor]) -> Optional[str]:
+    return None if t is None else str(t.dtype).replace('torch.', '')
+
+
+def _gathered_key(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor, scores: bool,
+                  parent_width: int) -> tuple:
+    """The first-use key of a gathered-scores / -messages kernel call (``ops.dispatch``):
+    the op, dtypes, children per parent, candidates, head dim and index kind."""
+    K = index.shape[-1] * (4 if parent_width else 1)
+    return ('qt_scores' if scores else 'qt_messages', _dt(a), _dt(src), _dt(index),
+            int(a.shape[3]), int(K), int(src.shape[-1]), parent_width > 0)
 
 
 def _use_qt_triton(use_triton: Optional[bool], a: torch.Tensor, src: torch.Tensor,
                    index: torch.Tensor, scores: bool, parent_width: int = 0) -> bool:
-    """Whether ``gathered_scores`` / ``gathered_messages`` run the Triton kernel: the gate,
-    then the kernel's input check (``use_triton=True``: ``ValueError`` saying why not)."""
-    if not _qt_triton_gate(use_triton, a):
-        return False
-    from . import quadtree_attention_triton as qt_triton
-    why = qt_triton.check_inputs(a, src, index, scores, parent_width)
-    if why is not None and use_triton:
-        raise ValueError(f'use_triton=True but the QuadTree Triton kernels cannot take these '
-                         f'inputs: {why}')
-    return why is None
+    """Whether ``gathered_scores`` / ``gathered_messages`` run the Triton kernel
+    (``ops.dispatch``: the gates, the kernel's input check -- ``use_triton=True``:
+    ``ValueError`` saying why not -- and in auto mode the first-use check)."""
+    return dispatch.use_kernels(
+        use_triton, 'quadtree', a,
+        lambda: _kernels().check_inputs(a, src, index, scores,
+                                                                parent_width),
+        lambda: _gathered_key(a, src, index, scores, parent_width), _records_grad(a, src))
 
 
-def _level_uses_triton(use_triton: Optional[bool], k: torch.Tensor,
-                       num_candidates: int) -> bool:
+def _final_key(attn_type: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               index: torch.Tensor, extra: Optional[torch.Tensor], parent_width: int) -> tuple:
+    """The first-use key of a fused final-level kernel call (see ``_gathered_key``)."""
+    K = index.shape[-1] * (4 if parent_width else 1)
+    return (f'qt_final_{attn_type.lower()}', _dt(q), _dt(k), _dt(v), _dt(index), int(K),
+            int(q.shape[-1]), parent_width > 0, _dt(extra))
+
+
+def _use_final_kernel(use_triton: Optional[bool], attn_type: str, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                      extra: Optional[torch.Tensor], parent_width: int,
+                      records_grad: bool) -> bool:
+    """Whether a level runs the fused final-level kernel (as ``_use_qt_triton``)."""
+    def why_not():
+        qt = _kernels()
+        problem = qt.final_b_problem if attn_type == 'B' else qt.final_a_problem
+        return problem(q, k, v, index, extra, parent_width)
+
+    return dispatch.use_kernels(
+        use_triton, 'quadtree', q, why_not,
+        lambda: _final_key(attn_type, q, k, v, index, extra, parent_width), records_grad)
+
+
+def _level_uses_triton(use_triton: Optional[bool], k: torch.Tensor, num_candidates: int,
+                       records_grad: bool) -> bool:
     """Whether a finer level (keys ``k`` ``(B, h, M, d)``, ``num_candidates`` per parent)
     will run the Triton kernels: then inference takes the batched path with them."""
-    if not _qt_triton_gate(use_triton, k):
+    if not dispatch.wanted(use_triton, 'quadtree', k, records_grad):
         return False
     if use_triton:
         return True  # (gathered_scores raises if the kernels cannot take the level)
-    from . import quadtree_attention_triton as qt_triton
-    return qt_triton.tile_fits(num_candidates, k.shape[-1])
+    return _kernels().tile_fits(num_candidates, k.shape[-1])
 
 
 def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: int) -> int:
@@ -224,10 +222,10 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
         key: ``(B, h, M, d)`` keys of the level.
         index: ``(B, h, L, K)`` candidate key rows of each parent (int64 / int32), or with
             ``parent_width`` the ``(B, h, L, K / 4)`` cells of the coarser grid whose 4
-            children each are the candidates (``_child_candidates``' order).
+            children each are the candidates (``child_candidates``' order).
         chunk_elements: bound on the gathered elements held at once (PyTorch path).
         use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` (force) or
-            ``False`` (the PyTorch path), see ``_qt_triton_gate``.
+            ``False`` (the PyTorch path), see ``ops.dispatch``.
         parent_width: 0 (``index`` holds candidate rows), or the width of the coarser grid
             (the kernels derive the candidates; the PyTorch path expands them first).
 
@@ -235,10 +233,14 @@ def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
         ``(B, h, L, F, K)``.
     """
     if _use_qt_triton(use_triton, query, key, index, True, parent_width):
-        from .quadtree_attention_triton import gathered_scores_triton
-        return gathered_scores_triton(query, key, index, parent_width)
+        out = dispatch.guarded(
+            'quadtree', _gathered_key(query, key, index, True, parent_width), query.device,
+            use_triton is True, lambda: _kernels().gathered_scores_triton(
+                query, key, index, parent_width), lambda: None)
+        if out is not None:
+            return out
     if parent_width:
-        index = _child_candidates(index, parent_width)
+        index = child_candidates(index, parent_width)
     if key.dtype != query.dtype:  # (half keys reach here only if the kernel refused them)
         key = key.to(query.dtype)
     chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
@@ -269,7 +271,7 @@ def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: to
         chunk = min(chunk, max(1, _CACHE_CHUNK_ELEMENTS // per_parent))
 
     def scores(s: int, e: int) -> torch.Tensor:
-        g = table.index_select(0, _flat_rows(index[:, :, s:e], M))
+        g = table.index_select(0, flat_rows(index[:, :, s:e], M))
         # an explicit 3-d bmm: matmul on the 5-d views is ~1.5x slower on CPU
         q = query[:, :, s:e].reshape(B * h * (e - s), nf, d)
         out = torch.bmm(q, g.view(B * h * (e - s), K, d).transpose(1, 2))
@@ -305,10 +307,15 @@ def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Te
         ``(B, h, L, F, d)``.
     """
     if _use_qt_triton(use_triton, weight, value, index, False, parent_width):
-        from .quadtree_attention_triton import gathered_messages_triton
-        return gathered_messages_triton(weight, value, index, parent_width)
+        out = dispatch.guarded(
+            'quadtree', _gathered_key(weight, value, index, False, parent_width),
+            weight.device, use_triton is True,
+            lambda: _kernels().gathered_messages_triton(
+                weight, value, index, parent_width), lambda: None)
+        if out is not None:
+            return out
     if parent_width:
-        index = _child_candidates(index, parent_width)
+        index = child_candidates(index, parent_width)
     if value.dtype != weight.dtype:  # (as in gathered_scores)
         value = value.to(weight.dtype)
     if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
@@ -325,7 +332,7 @@ def _weighted_rows_sum(weight: torch.Tensor, value: torch.Tensor,
     B, h, L, nf, K = weight.shape
     M, d = value.shape[2], value.shape[3]
     table = value.reshape(B * h * M, d).contiguous()
-    rows = _flat_rows(index, M).view(B * h * L, 1, K).expand(B * h * L, nf, K)
+    rows = flat_rows(index, M).view(B * h * L, 1, K).expand(B * h * L, nf, K)
     out = F.embedding_bag(rows.reshape(-1, K), table, mode='sum',
                           per_sample_weights=weight.reshape(-1, K).contiguous())
     return out.view(B, h, L, nf, d)
@@ -361,61 +368,6 @@ def _avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0 and recorded_eagerly(x):
         return _AvgPool2x2.apply(x)
     return F.avg_pool2d(x, 2, 2)
-
-
-def _to_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Map ``(B, C, H, W)`` -> ``(B, h, H*W, d)`` (head-major channels, raster tokens).
-
-    Each ``d``-row is contiguous in memory (a view for channels-last maps, whose memory
-    is the token layout; one copy for contiguous NCHW maps)."""
-    B, C, H, W = x.shape
-    return x.permute(0, 2, 3, 1).reshape(B, H * W, num_heads, C // num_heads).transpose(1, 2)
-
-
-def _group_children(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Map ``(B, C, H, W)`` -> ``(B, h, (H/2)(W/2), 4, d)``: parents in raster order of the
-    coarser grid, children ordered ``(t1, t2) = (0,0), (0,1), (1,0), (1,1)``."""
-    B, C, H, W = x.shape
-    x = x.permute(0, 2, 3, 1).reshape(B, H // 2, 2, W // 2, 2, num_heads, C // num_heads)
-    return x.permute(0, 5, 1, 3, 2, 4, 6).reshape(B, num_heads, (H // 2) * (W // 2), 4,
-                                                  C // num_heads)
-
-
-def _level_queries(q_map: torch.Tensor, num_heads: int, temp: float) -> torch.Tensor:
-    """A finer level's queries as its kernels / gathers take them: float32, grouped by
-    parent (``_group_children``), times the temperature."""
-    return _group_children(q_map.float(), num_heads) * temp
-
-
-def _children_to_raster(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
-    """``(B, h, L, 4, X)`` grouped by parent -> ``(B, h, H*W, X)`` raster of the ``hw`` grid."""
-    B, h, _, _, X = x.shape
-    H, W = hw
-    x = x.reshape(B, h, H // 2, W // 2, 2, 2, X).transpose(3, 4)
-    return x.reshape(B, h, H * W, X)
-
-
-def _upsample_tokens(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
-    """Nearest 2x upsampling of raster tokens ``(B, h, H*W, X)`` -> ``(B, h, 4HW, X)``."""
-    B, h, _, X = x.shape
-    H, W = hw
-    x = x.reshape(B, h, H, 1, W, 1, X).expand(B, h, H, 2, W, 2, X)
-    return x.reshape(B, h, 4 * H * W, X)
-
-
-def _child_candidates(index: torch.Tensor, parent_width: int) -> torch.Tensor:
-    """Flat parent-level key indices ``(..., Kp)`` -> their 4 children at the next level,
-    ``(..., 4 Kp)`` ordered parent-major, child ``(a, b)`` with the row offset outer."""
-    width = 2 * parent_width
-    # index = y * pw + x  ->  top-left child 2y * 2pw + 2x = 2 * (index + y * pw)
-    y = torch.div(index, parent_width, rounding_mode='floor')
-    base = (index + y * parent_width) * 2
-    # offsets (0, 1, width, width + 1) made on the device: a tensor from Python data
-    # (torch.tensor([...], device=cuda)) is a synchronous host-to-device copy, which
-    # would stall the host until the GPU has drained its queue, at every level
-    t = torch.arange(2, device=index.device, dtype=index.dtype)
-    offsets = (t.unsqueeze(-1) * width + t).flatten()
-    return (base.unsqueeze(-1) + offsets).flatten(-2)
 
 
 def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.Tensor,
@@ -550,11 +502,11 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         """Level ``i``'s LePE map in heads, times ``scale`` if given (callables are lazy)."""
         m = lepes[i]
         if isinstance(m, LePEConv):
-            return _to_heads(m(scale), h)
+            return to_heads(m(scale), h)
         m = (m() if callable(m) else m).float()
-        return _to_heads(m if scale is None else m * scale, h)
+        return to_heads(m if scale is None else m * scale, h)
 
-    q0, k0, v0 = (_to_heads(t.float(), h) for t in (queries[0], keys[0], values[0]))
+    q0, k0, v0 = (to_heads(t.float(), h) for t in (queries[0], keys[0], values[0]))
     if S == 1 and attn_type == 'B':
         # plain softmax attention (no top-k): fused kernel, no L0 x L0 weights in memory
         msg = F.scaled_dot_product_attention(q0, k0, v0, scale=temp)
@@ -588,9 +540,9 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         if (hi, wi) != (2 * grid[0], 2 * grid[1]):
             raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
                              f'({grid[0]}x{grid[1]})')
-        k = _to_heads(keys[i], h)  # (B, h, hi*wi, d)
-        v = _to_heads(values[i], h)
-        kernels = _level_uses_triton(use_triton, k, 4 * prev_idx.shape[-1])
+        k = to_heads(keys[i], h)  # (B, h, hi*wi, d)
+        v = to_heads(values[i], h)
+        kernels = _level_uses_triton(use_triton, k, 4 * prev_idx.shape[-1], not inference)
         if not (kernels and k.dtype in _HALF and v.dtype in _HALF):
             k, v = k.float(), v.float()
         # (else bf16 / fp16 keys and values go to the kernels as they are: they read them
@@ -613,7 +565,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             messages.append(msg)
             grid = (hi, wi)
             continue
-        q = _level_queries(queries[i], h, temp)  # (B, h, L, 4, d), pre-scaled
+        q = level_queries(queries[i], h, temp)  # (B, h, L, 4, d), pre-scaled
         if kernels and prev_idx.dtype != torch.int32:
             # int32 indices for the kernels (the ops save them for the backward: half the
             # bytes of int64; the levels below inherit the dtype)
@@ -622,21 +574,25 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         # the kernels take the parent cells (B, h, L, Kp) and derive their 4Kp children
         # (a quarter of the index bytes read and kept for the backward, and no candidate
         # list built when nothing else needs it); the PyTorch path takes the children
-        index, iw = (prev_idx, pw) if kernels else (_child_candidates(prev_idx, pw), 0)
+        index, iw = (prev_idx, pw) if kernels else (child_candidates(prev_idx, pw), 0)
 
         def candidates() -> torch.Tensor:  # (B, h, L, 4Kp), for the top-k's gather
-            return _child_candidates(prev_idx, pw) if iw else index
+            return child_candidates(prev_idx, pw) if iw else index
 
         # (False when the level check said no: the same decision as the branch above)
         level_triton = use_triton if kernels else False
         # the fused kernel (scores + softmax (A: x prev_score) + messages, no (B, h, L, 4,
         # 4Kp) tensors; its backward recomputes the weights) runs the final level and,
         # when training, the other levels of B
-        fused = (final or attn_type == 'B' and not inference) and kernels and _use_qt_triton(
-            level_triton, q, k, index, True, iw) and _use_qt_triton(
-                level_triton, q, v, index, True, iw)
-        if fused:
-            from . import quadtree_attention_triton as qt_triton
+        # B: the level weight is applied in the kernel (its gradient from the backward's
+        # per-row g . out, no saved unweighted messages) and folded into the LePE conv;
+        # A: the kernel scales by the coarser level's scores
+        scale = level_weights[i] if attn_type == 'B' and level_weights is not None else None
+        extra = scale if attn_type == 'B' else prev_score
+        raw = None
+        if (final or attn_type == 'B' and not inference) and kernels and _use_final_kernel(
+                level_triton, attn_type, q, k, v, index, extra, iw, not inference):
+            qt_triton = _kernels()
             if not final:
                 # B: the top-k indices carry no gradient, so the weights they are selected
                 # from are computed without autograd (nothing saved) and dropped
@@ -648,21 +604,21 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                 sel = attn.topk(topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
                 idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
                 del attn, sel
-            # B: the level weight is applied in the kernel (its gradient from the backward's
-            # per-row g . out, no saved unweighted messages) and folded into the LePE conv;
-            # A: the kernel scales by the coarser level's scores
-            scale = level_weights[i] if attn_type == 'B' and level_weights is not None \
-                else None
-            extra = scale if attn_type == 'B' else prev_score
-            if final and projections is not None and not inference:
-                # (its backward recomputes the finest maps from the block input)
-                raw = qt_triton.final_level_projected_triton(
-                    q, k, v, index, extra, iw, projections, (hi, wi), h, temp, attn_type)
-            elif attn_type == 'B':
-                raw = qt_triton.final_level_b_triton(q, k, v, index, extra, iw)
-            else:
-                raw = qt_triton.final_level_a_triton(q, k, v, index, extra, iw)
-            msg = _children_to_raster(raw, (hi, wi))
+
+            def fused_level(q=q, k=k, v=v, index=index, extra=extra, iw=iw, hw=(hi, wi)):
+                if final and projections is not None and not inference:
+                    # (its backward recomputes the finest maps from the block input)
+                    return qt_triton.final_level_projected_triton(
+                        q, k, v, index, extra, iw, projections, hw, h, temp, attn_type)
+                if attn_type == 'B':
+                    return qt_triton.final_level_b_triton(q, k, v, index, extra, iw)
+                return qt_triton.final_level_a_triton(q, k, v, index, extra, iw)
+
+            # (None if the kernel raised in auto mode: warned once, the unfused path below)
+            raw = dispatch.guarded('quadtree', _final_key(attn_type, q, k, v, index, extra, iw),
+                                   q.device, level_triton is True, fused_level, lambda: None)
+        if raw is not None:
+            msg = children_to_raster(raw, (hi, wi))
             if attn_type == 'B' and scale is not None:
                 weighted.add(i)
                 if lepes is not None:
@@ -670,7 +626,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
                     lepe_added.add(i)
             messages.append(msg)
             if not final:
-                prev_idx, prev_score = _children_to_raster(idx_i, (hi, wi)), None
+                prev_idx, prev_score = children_to_raster(idx_i, (hi, wi)), None
             grid = (hi, wi)
             continue
         scores = gathered_scores(q, k, index, chunk_elements, level_triton, iw)  # (.., 4, 4Kp)
@@ -688,13 +644,13 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             score_i, sel = (attn.detach() if attn_type == 'B' else attn).topk(
                 Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
             idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
-            prev_idx = _children_to_raster(idx_i, (hi, wi))
+            prev_idx = children_to_raster(idx_i, (hi, wi))
             # (the finer levels of B do not use the scores of their parents)
-            prev_score = _children_to_raster(score_i, (hi, wi)) if attn_type == 'A' else None
+            prev_score = children_to_raster(score_i, (hi, wi)) if attn_type == 'A' else None
             if attn_type == 'A':
                 weights = attn.scatter(-1, sel, 0.)
         msg = gathered_messages(weights, v, index, chunk_elements, level_triton, iw)
-        messages.append(_children_to_raster(msg, (hi, wi)))
+        messages.append(children_to_raster(msg, (hi, wi)))
         grid = (hi, wi)
 
     # ---- merge coarse -> fine
@@ -715,7 +671,7 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
             out = msg
             grid = (2 * grid[0], 2 * grid[1])
         else:
-            out = _upsample_tokens(out, grid) + msg
+            out = upsample_tokens(out, grid) + msg
             grid = (2 * grid[0], 2 * grid[1])
         messages[i] = None  # free merged levels
     return out
@@ -823,9 +779,9 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for r0 in range(0, hi // 2, rows_per_chunk):
         r1 = min(hi // 2, r0 + rows_per_chunk)
         s, e = r0 * pw, r1 * pw
-        q = _group_children(q_map[:, :, 2 * r0:2 * r1], h).mul_(temp)  # (B, h, P, 4, d)
-        cand = _child_candidates(prev_idx[:, :, s:e], pw)  # (B, h, P, 4Kp)
-        rows = _flat_rows(cand, M)
+        q = group_children(q_map[:, :, 2 * r0:2 * r1], h).mul_(temp)  # (B, h, P, 4, d)
+        cand = child_candidates(prev_idx[:, :, s:e], pw)  # (B, h, P, 4Kp)
+        rows = flat_rows(cand, M)
         if dense:  # (B h, 4P, M) = one GEMM per batch/head, then the candidate columns
             full = torch.bmm(q.reshape(B * h, (e - s) * 4, d), k_mat.transpose(1, 2))
             # the 4 children share their parent's candidates: a stride-0 index, no copy
@@ -872,13 +828,13 @@ def _finer_level_cpu_kernel(kernel: Callable, q_map: torch.Tensor, k: torch.Tens
                             init: Optional[torch.Tensor] = None
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor],
                                        Optional[torch.Tensor]]:
-    """``_finer_level_inference`` by the fused CPU kernel (``cpu_kernels``): same arguments
+    """``_finer_level_inference`` by the fused CPU kernel (``ops.quadtree_cpu``): same arguments
     and results (up to float rounding and the order of the selected keys; no margins)."""
     B, C, hi, wi = q_map.shape
     d = C // h
     M = hi * wi
     Kp = prev_idx.shape[-1]
-    q = _to_heads(q_map, h).reshape(B * h, M, d).contiguous()
+    q = to_heads(q_map, h).reshape(B * h, M, d).contiguous()
     msg = (q_map.new_zeros(B, h, M, d) if init is None else init).view(B * h, M, d)
     type_a = attn_type == 'A'
     scores = prev_score.reshape(B * h, M // 4, Kp).contiguous() if type_a else None
@@ -959,7 +915,7 @@ class QuadTreeAttention(nn.Module):
                  use_triton: Optional[bool] = None,
                  recompute_values: bool = True) -> None:
         super().__init__()
-        self.use_triton = _check_use_triton(use_triton)
+        self.use_triton = dispatch.check_use_triton(use_triton)
         self.recompute_values = bool(recompute_values)
         if embed_dims % num_heads != 0:
             raise ValueError(f'embed_dims {embed_dims} is not divisible by num_heads {num_heads}')
@@ -1128,3 +1084,92 @@ class QuadTreeAttention(nn.Module):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
                 f'attn_type={self.attn_type!r}, num_levels={self.num_levels}, '
                 f'topk={self.topks[:max(1, self.num_levels - 1)]}, value_act={self.value_act!r}')
+
+
+# ----------------------------------------------------------------------------------------
+# first-use check of the QuadTree kernels (ops.dispatch): a kernel configuration is used in
+# auto mode only after its forward and backward matched this module's PyTorch path once
+
+
+def _first_use_check(key: tuple, device: torch.device) -> None:
+    """Run the kernel of ``key`` (``_gathered_key`` / ``_final_key``) forward and backward
+    on a tiny level (parents spanning two program blocks and a ragged tail) against the
+    PyTorch path; raise ``dispatch.KernelMismatch`` (or the kernel's error) if they differ."""
+    qt = _kernels()
+    gen = dispatch.check_generator()
+    op = key[0]
+    if op in ('qt_scores', 'qt_messages'):
+        _, a_dt, src_dt, idx_dt, nf, K, d, parents = key
+        dts = (a_dt, src_dt)
+        L = 2 * qt.tile_parents(K, d) + 1
+    else:
+        _, q_dt, k_dt, v_dt, idx_dt, K, d, parents, extra_dt = key
+        dts, nf = (q_dt, k_dt, v_dt), 4
+        L = 2 * qt.tile_parents(K, d, fused=True) + 1
+    B, h, pw = 1, 2, L  # the parents form a 1 x L grid, the level a 2 x 2L map
+    M = 4 * L
+
+    def rand(*shape, dtype='float32', positive=False):
+        t = torch.randn(*shape, generator=gen)
+        t = t.abs() + 0.1 if positive else t
+        return t.to(device=device, dtype=getattr(torch, dtype)).requires_grad_()
+
+    if parents:
+        index = torch.randint(0, L, (B, h, L, K // 4), generator=gen)
+    else:
+        index = torch.randint(0, M, (B, h, L, K), generator=gen)
+    index = index.to(device=device, dtype=getattr(torch, idx_dt))
+    iw = pw if parents else 0
+    tol = max(dispatch.TOLERANCES[t] for t in dts)
+    if op == 'qt_scores':
+        leaves = [rand(B, h, L, nf, d, dtype=a_dt), rand(B, h, M, d, dtype=src_dt)]
+
+        def run(use_triton):
+            if use_triton:
+                return qt.gathered_scores_triton(*leaves, index, iw)
+            return gathered_scores(*leaves, index, use_triton=False, parent_width=iw)
+    elif op == 'qt_messages':
+        leaves = [rand(B, h, L, nf, K, dtype=a_dt, positive=True),
+                  rand(B, h, M, d, dtype=src_dt)]
+
+        def run(use_triton):
+            if use_triton:
+                return qt.gathered_messages_triton(*leaves, index, iw)
+            return gathered_messages(*leaves, index, use_triton=False, parent_width=iw)
+    else:
+        grouped = op == 'qt_final_a'
+        leaves = [rand(B, h, L, 4, d, dtype=q_dt), rand(B, h, M, d, dtype=k_dt),
+                  rand(B, h, M, d, dtype=v_dt)]
+        if grouped:
+            leaves.append(rand(B, h, L, K // 4, dtype=extra_dt, positive=True))
+        elif extra_dt is not None:
+            leaves.append(rand(1, dtype=extra_dt, positive=True))
+
+        def run(use_triton):
+            q, k, v, *extra = leaves
+            extra = extra[0] if extra else None
+            if use_triton:
+                fn = qt.final_level_a_triton if grouped else qt.final_level_b_triton
+                return fn(q, k, v, index, extra, iw)
+            scores = gathered_scores(q, k, index, use_triton=False, parent_width=iw)
+            if grouped:
+                attn = torch.softmax(scores.unflatten(-1, (K // 4, 4)), dim=-1)
+                attn = (attn * extra[:, :, :, None, :, None]).flatten(-2)
+            else:
+                attn = torch.softmax(scores, dim=-1)
+            out = gathered_messages(attn, v, index, use_triton=False, parent_width=iw)
+            return out if grouped or extra is None else out * extra
+    grad_out, results = None, []
+    for use_triton in (True, False):
+        out = run(use_triton)
+        if grad_out is None:
+            grad_out = torch.randn(out.shape, generator=gen).to(out)
+        results.append((out, torch.autograd.grad(out, leaves, grad_out)))
+    (out_k, grads_k), (out_r, grads_r) = results
+    dispatch.assert_close(f'{op} output', out_k, out_r, tol)
+    for i, (a, b) in enumerate(zip(grads_k, grads_r)):
+        dispatch.assert_close(f'{op} gradient of input {i}', a, b, tol)
+
+
+dispatch.register_first_use_check('quadtree', _first_use_check)
+

@@ -52,11 +52,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .autograd_paths import autocast_operands
-from .conv import map_as_tokens, tokens_as_map
-
-#: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+from ..ops.autograd_paths import autocast_operands
+from .layout import map_as_tokens, tokens_as_map
+from .triton_common import (INTERPRETED, cast_rne, device_problem, on_tensor_device, relu,
+                            shared_memory_problem)
 
 _EPS = 1e-6  # the ReLU floor and the normaliser's epsilon of FLA
 _MAX_HEAD_DIM = 128  # register budget of the per-head tiles
@@ -83,7 +82,7 @@ def _row_stats(x_ptr, pos_ptr, inv_s_ptr, row_off, pos_row_off, rmask, C, sxc, s
             x += tl.load(pos_ptr + pos_row_off[:, None] + cols[None, :] * spc, mask=msk,
                          other=0.).to(tl.float32)
         inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
-        base = tl.where(msk, (tl.maximum(x, 0.) + 1e-6) * inv_s[None, :], 0.)
+        base = tl.where(msk, (relu(x) + 1e-6) * inv_s[None, :], 0.)
         m_new = tl.maximum(m, tl.max(base, axis=1))
         a = m / m_new
         t = base / m_new[:, None]
@@ -112,24 +111,12 @@ def _head_features(x_ptr, pos_ptr, inv_s_ptr, row_off, pos_row_off, msk, cols, m
         x += tl.load(pos_ptr + pos_row_off[:, None] + cols[None, :] * spc, mask=msk,
                      other=0.).to(tl.float32)
     inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
-    base = tl.where(msk, (tl.maximum(x, 0.) + 1e-6) * inv_s[None, :], 0.)
+    base = tl.where(msk, (relu(x) + 1e-6) * inv_s[None, :], 0.)
     t = base / m[:, None]
     y = t
     for _ in tl.static_range(P - 1):
         y = y * t
     return x, base, t, y
-
-
-@triton.jit
-def _cast_rne(x, dtype: tl.constexpr):
-    """float32 -> ``dtype`` rounding to nearest even, bfloat16 included by integer
-    arithmetic (Triton's interpreter truncates on ``.to(tl.bfloat16)``; this way CPU tests
-    and GPU round alike)."""
-    if dtype == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        x = u.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -208,7 +195,7 @@ def _fla_out_fwd(q_ptr, inv_s_ptr, kv_ptr, ks_ptr, r_ptr, o_ptr, N, C, inv_n,
             out += tl.load(r_ptr + b.to(tl.int64) * srb + rows[:, None] * srn
                            + cols[None, :] * src, mask=msk, other=0.).to(tl.float32)
         tl.store(o_b + rows[:, None] * son + cols[None, :] * soc,
-                 _cast_rne(out, o_ptr.dtype.element_ty), mask=msk)
+                 cast_rne(out, o_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -300,7 +287,7 @@ def _fla_k_bwd(k_ptr, pos_ptr, v_ptr, inv_s_ptr, dkv_ptr, dks_ptr, dphi_ptr, e_p
         dv += tl.load(e_ptr + b.to(tl.int64) * seb + rows[:, None] * sen + cols[None, :] * sec,
                       mask=msk, other=0.).to(tl.float32)
     tl.store(dv_ptr + b.to(tl.int64) * sdvb + rows[:, None] * sdvn + cols[None, :] * sdvc,
-             _cast_rne(dv, dv_ptr.dtype.element_ty), mask=msk)
+             cast_rne(dv, dv_ptr.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -348,12 +335,12 @@ def _focus_bwd(x_ptr, pos_ptr, inv_s_ptr, dphi_ptr, dx_ptr, dsp_ptr, N, C,
         dbase = dy * (P * tp1) / m[:, None] + c_b[:, None] * base
         dbase = tl.where(msk, dbase, 0.)
         inv_s = tl.load(inv_s_ptr + cols, mask=cols < C, other=0.)
-        dx = tl.where(x > 0., dbase * inv_s[None, :], 0.)
+        dx = tl.where(x <= 0., 0., dbase * inv_s[None, :])  # (NaN passes, as in torch)
         if KEEP_F32:
             tl.store(d_b + rows[:, None] * C + cols[None, :], dx, mask=msk)
         tl.store(dx_ptr + b.to(tl.int64) * sdb + rows[:, None] * sdn + cols[None, :] * sdc,
-                 _cast_rne(dx, dx_ptr.dtype.element_ty), mask=msk)
-        tl.store(dsp_ptr + blk * C + cols, tl.sum(dbase * (tl.maximum(x, 0.) + 1e-6), axis=0),
+                 cast_rne(dx, dx_ptr.dtype.element_ty), mask=msk)
+        tl.store(dsp_ptr + blk * C + cols, tl.sum(dbase * (relu(x) + 1e-6), axis=0),
                  mask=cols < C)
 
 
@@ -361,25 +348,34 @@ def _focus_bwd(x_ptr, pos_ptr, inv_s_ptr, dphi_ptr, dx_ptr, dsp_ptr, N, C,
 # launch helpers
 
 
-def _cfg(C: int, d: int) -> dict:
+def _cfg(C: int, d: int, precision: Optional[str] = None) -> dict:
     """Tile sizes: ``BD`` the padded head dim, ``BLOCK_N`` tokens, ``BLOCK_C`` channels of
     the all-channel loops (small, so that the tests cover several channel chunks and
-    the per-thread registers of ``_focus_bwd`` stay bounded); matmul precision as
-    PyTorch's (``ieee`` fp32 unless TF32 matmuls are allowed)."""
+    the per-thread registers of ``_focus_bwd`` stay bounded); 8 warps (fewer spill in
+    ``docs/benchmarks/kernel_limits.md``); matmul ``precision`` (``'ieee'`` / ``'tf32'``,
+    default ``matmul_precision()``)."""
     bd = max(16, triton.next_power_of_2(d))
     return dict(BD=bd, BLOCK_N=16 if INTERPRETED else 64 if bd <= 32 else 32,
                 BLOCK_C=min(32, max(16, triton.next_power_of_2(C))),
-                PREC='tf32' if torch.backends.cuda.matmul.allow_tf32 else 'ieee',
-                num_warps=_NUM_WARPS)
+                PREC=precision or 'ieee', num_warps=_NUM_WARPS)
 
 
-#: 8 warps, 64-token tiles (32 for head dims above 32): no register spills on sm_90
-#: (ptxas; 4 warps spill in three of the five kernels at d = 32, 64-token tiles in four at
-#: d = 64) except ``_fla_out_fwd`` with a single head of d = 64 (FLatten-PVT stage 1:
-#: 172 B fp32, 204 B bf16; two heads of 64 do not spill); 16-token tiles remove that,
-#: at twice the KV reloads per token, to be timed on a GPU (2026-12-01, Triton 3.8's
-#: ptxas); see ``aot_specs`` and tools/analysis/gpu_kernel_check.py ``--aot``
+def matmul_precision(device: torch.device) -> str:
+    """``'tf32'`` where PyTorch's float32 matmuls may use TF32 and the GPU has it (compute
+    capability 8.0 and later), else ``'ieee'``: the kernels' products follow PyTorch's."""
+    if not torch.backends.cuda.matmul.allow_tf32:
+        return 'ieee'
+    if device.type == 'cuda' and torch.cuda.get_device_capability(device) < (8, 0):
+        return 'ieee'
+    return 'tf32'
+
+
 _NUM_WARPS = 8
+
+
+def tile_tokens(C: int, d: int) -> int:
+    """Tokens per tile (``BLOCK_N``) of the kernels for ``C`` channels of head dim ``d``."""
+    return _cfg(C, d)['BLOCK_N']
 
 
 def _chunk(n: int, groups: int, block: int) -> Tuple[int, int]:
@@ -435,23 +431,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch
         torch.float32, torch.bfloat16, torch.float16)]
     if bad:
         return f'dtype {bad[0]} (the kernels take float32 / bfloat16 / float16)'
-    return device_problem(tensors, __name__)
-
-
-def device_problem(tensors, module: str) -> Optional[str]:
-    """Why Triton kernels decorated in ``module`` cannot run on the devices of ``tensors``
-    (``None`` if they can): one device, CUDA, or the CPU under Triton's interpreter."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        return f'tensors on several devices {sorted(map(str, devices))}'
-    dev = devices.pop()
-    if dev.type == 'cpu':
-        if not INTERPRETED:
-            return ('CPU tensors need Triton\'s interpreter: set TRITON_INTERPRET=1 before '
-                    f'{module} is imported')
-    elif dev.type != 'cuda':
-        return f'device {dev} (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)'
-    return None
+    return device_problem(tensors, __name__) or shared_memory_problem(
+        'fla', lambda: limit_keys(C, num_heads, v.dtype, matmul_precision(q.device)), q.device)
 
 
 _KERNELS = {'_fla_kv_fwd': _fla_kv_fwd, '_fla_out_fwd': _fla_out_fwd, '_fla_q_bwd': _fla_q_bwd,
@@ -462,16 +443,15 @@ _IO_POINTERS = ('q_ptr', 'k_ptr', 'v_ptr', 'r_ptr', 'o_ptr', 'g_ptr', 'e_ptr', '
 
 
 def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.dtype,
-              has_pos: bool = True, has_res: bool = True) -> list:
+              has_pos: bool = True, has_res: bool = True, precision: str = 'ieee') -> list:
     """What the launches of one call compile: ``(name, kernel, signature, constexprs,
     options)`` per kernel, for ahead-of-time compilation without a GPU
     (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``, see
-    tools/analysis/gpu_kernel_check.py ``--aot``). Needs the kernels compiled, not
-    interpreted."""
+    tools/analysis/kernel_limits.py). Needs the kernels compiled, not interpreted."""
     if INTERPRETED:
         raise RuntimeError('aot_specs needs the compiled kernels (TRITON_INTERPRET unset)')
     io = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]
-    cfg = _cfg(channels, channels // num_heads)
+    cfg = _cfg(channels, channels // num_heads, precision)
     options = dict(num_warps=cfg.pop('num_warps'))
     const = dict(cfg, H=num_heads, D=channels // num_heads, P=focusing_factor,
                  HAS_POS=has_pos, HAS_RES=has_res, HAS_EXTRA=has_res, KEEP_F32=has_pos)
@@ -489,10 +469,25 @@ def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.
     return specs
 
 
+def limit_key(name: str, const: dict, options: dict, dtype: torch.dtype) -> str:
+    """The row of the ahead-of-time limit table (``ops/kernel_limits.json``) of one kernel
+    specialisation: what sets its shared memory and registers."""
+    c = {k: const.get(k, '-') for k in ('PREC', 'BD', 'BLOCK_N', 'BLOCK_C')}
+    return (f"{name}|{str(dtype).replace('torch.', '')}|{c['PREC']}|BD{c['BD']}"
+            f"|BN{c['BLOCK_N']}|BC{c['BLOCK_C']}|w{options['num_warps']}")
+
+
+def limit_keys(channels: int, num_heads: int, dtype: torch.dtype, precision: str) -> list:
+    """``limit_key`` of every kernel a call with these settings launches."""
+    return [limit_key(name, const, options, dtype) for name, _, _, const, options
+            in aot_specs(channels, num_heads, 3, dtype, precision=precision)]
+
+
 # ----------------------------------------------------------------------------------------
 # custom ops
 
 
+@on_tensor_device
 def _forward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
                      k_pos: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                      num_heads: int, focusing_factor: int):
@@ -501,7 +496,7 @@ def _forward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: t
     B, N, C = q.shape
     n = k.shape[1]
     d = C // num_heads
-    cfg = _cfg(C, d)
+    cfg = _cfg(C, d, matmul_precision(q.device))
     bd = cfg['BD']
     inv_s = _inv_softplus(scale)
     pos, spn, spc, has_pos = _pos_args(k_pos, k)
@@ -538,6 +533,7 @@ def _(q, k, v, scale, k_pos, residual, num_heads, focusing_factor):
             q.new_empty((B, num_heads, bd), dtype=torch.float32))
 
 
+@on_tensor_device
 def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: torch.Tensor, k_pos: Optional[torch.Tensor], kv: torch.Tensor,
                       ks: torch.Tensor, num_heads: int, focusing_factor: int,
@@ -553,7 +549,7 @@ def _backward_kernels(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     B, N, C = q.shape
     n = k.shape[1]
     d = C // num_heads
-    cfg = _cfg(C, d)
+    cfg = _cfg(C, d, matmul_precision(q.device))
     bd, bn = cfg['BD'], cfg['BLOCK_N']
     inv_s = _inv_softplus(scale)
     pos, spn, spc, has_pos = _pos_args(k_pos, k)

@@ -60,12 +60,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .conv import tokens_as_map
-from .focused_linear_attention_triton import _cast_rne, device_problem
-from .quadtree_attention import _level_queries, _to_heads
-
-#: whether the kernels below were decorated under Triton's interpreter (CPU tensors)
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+from .layout import tokens_as_map
+from .quadtree_layout import level_queries, to_heads
+from .triton_common import (INTERPRETED, cast_rne, device_problem, on_tensor_device,
+                            shared_memory_problem)
 
 #: register budget: ``BLOCK_K * BLOCK_D`` gathered elements per parent (e.g. 4K = 128
 #: candidates of d = 64, or 256 of d = 32); larger problems take the PyTorch path
@@ -150,12 +148,12 @@ def _qt_gathered_kernel(p_ptr, q_ptr, src_ptr, cand_ptr, out_ptr, dsrc_ptr,
             qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
             res = tl.sum(g * qf[:, None, :], axis=2)
             tl.store(o_base + f * sof + kk[None, :] * sox,
-                     _cast_rne(res, out_ptr.dtype.element_ty), mask=pk_mask)
+                     cast_rne(res, out_ptr.dtype.element_ty), mask=pk_mask)
         if OUT_Q:  # (BP, BK) x (BP, BK, BD) -> (BP, BD)
             pf = tl.load(p_base + f * spf, mask=pk_mask, other=0.).to(tl.float32)
             res = tl.sum(g * pf[:, :, None], axis=1)
             tl.store(o_base + f * sof + dd[None, :] * sox,
-                     _cast_rne(res, out_ptr.dtype.element_ty), mask=pd_mask)
+                     cast_rne(res, out_ptr.dtype.element_ty), mask=pd_mask)
         if SCATTER:
             pf = tl.load(p_base + f * spf, mask=pk_mask, other=0.).to(tl.float32)
             qf = tl.load(q_base + f * sqf, mask=pd_mask, other=0.).to(tl.float32)
@@ -274,7 +272,7 @@ def _qt_final_fwd(q_ptr, k_ptr, v_ptr, cand_ptr, ps_ptr, scale_ptr, out_ptr, sta
                 o = o * scale
             tl.store(stats_base + 2 * f, m, mask=pmask)
             tl.store(stats_base + 2 * f + 1, den, mask=pmask)
-        tl.store(o_base + f * sof, _cast_rne(o, out_ptr.dtype.element_ty), mask=pd_mask)
+        tl.store(o_base + f * sof, cast_rne(o, out_ptr.dtype.element_ty), mask=pd_mask)
 
 
 @triton.jit
@@ -350,7 +348,7 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, scale_ptr, g
                 ds = ds * scale
                 p = p * scale
         dqf = tl.sum(kg * ds[:, :, None], axis=1)
-        tl.store(dq_base + f * D, _cast_rne(dqf, dq_ptr.dtype.element_ty), mask=pd_mask)
+        tl.store(dq_base + f * D, cast_rne(dqf, dq_ptr.dtype.element_ty), mask=pd_mask)
         is_f = (ff == f)[None, None, :]
         ds_all = tl.where(is_f, ds[:, :, None], ds_all)
         w_all = tl.where(is_f, p[:, :, None], w_all)
@@ -376,7 +374,7 @@ def _qt_final_bwd(q_ptr, k_ptr, v_ptr, cand_ptr, stats_ptr, ps_ptr, scale_ptr, g
         G = K // 4
         gg = tl.arange(0, BLOCK_K // 4)
         tl.store(dps_ptr + bh.to(tl.int64) * L * G + par64[:, None] * G + gg[None, :],
-                 _cast_rne(dps, dps_ptr.dtype.element_ty),
+                 cast_rne(dps, dps_ptr.dtype.element_ty),
                  mask=pmask[:, None] & (gg < G)[None, :])
 
 
@@ -395,23 +393,20 @@ def _blocks(K: int, d: int) -> Tuple[int, int, int]:
 
 
 def _gathered_warps(bp: int, bk: int, bd: int, scatter: bool) -> int:
-    """Warps of a ``_qt_gathered_kernel`` launch.
-
-    4 for tiles up to 4096 elements, else 8; but 32 for the scatter (backward) launches
-    with one parent of ``BLOCK_D >= 64`` per program (head dim 64, 4K = 128 candidates:
-    QuadTree-B-b1..b4). ptxas sm_90 (Triton 3.8's bundled ptxas, ``gpu_kernel_check.py
-    --aot 90``), spill stores of scores / messages backward at 8 warps -> 32 warps:
-    fp32 260 -> 92 B and 152 -> 0 B, bf16 360 -> 12 B and 194 -> 28 B (16 warps: 224 /
-    96 B, 284 / 116 B). Both use the whole register file of an SM per program (255 x 256
-    threads vs 64 x 1024), so 32 warps also keeps 4x more warps resident to hide the
-    gathers' latency. Not measured on a GPU yet (time: ``gpu_kernel_check.py``). At d = 32
-    (no spills at 8 warps, 32 warps would add 88-116 B) and with several parents per
-    program (d = 64, 4K = 32: scores backward 264 -> 712 B at 32 warps) the rule stays.
-    On parent cells (``PARENTS``, what the core launches since 2026-12-02), 32 warps, d =
-    64: scores / messages backward fp32 140 / 4 B, bf16 8 / 16 B."""
+    """Warps of a ``_qt_gathered_kernel`` launch: 4 for tiles up to 4096 elements, else 8;
+    32 for the scatter (backward) launches with one parent of ``BLOCK_D >= 64`` per program,
+    which would otherwise spill (their registers and spills per target:
+    ``docs/benchmarks/kernel_limits.md``)."""
     if scatter and bp == 1 and bd >= 64:
         return 32
     return 4 if bp * bk * bd <= 4096 else 8
+
+
+def tile_parents(num_candidates: int, head_dim: int, fused: bool = False) -> int:
+    """Parents per program (``BLOCK_P``) of the gathered kernels (``fused``: of the fused
+    final level) for ``num_candidates`` of ``head_dim``."""
+    blocks = _final_blocks if fused else _blocks
+    return blocks(num_candidates, head_dim)[0]
 
 
 def tile_fits(num_candidates: int, head_dim: int) -> bool:
@@ -420,6 +415,7 @@ def tile_fits(num_candidates: int, head_dim: int) -> bool:
     return bk * bd <= _MAX_TILE
 
 
+@on_tensor_device
 def _launch(P: torch.Tensor, Q: torch.Tensor, src: torch.Tensor, cand: torch.Tensor,
             out: Optional[torch.Tensor], dsrc: Optional[torch.Tensor], out_p: bool,
             out_q: bool, parent_width: int = 0) -> None:
@@ -492,6 +488,21 @@ def aot_specs(num_candidates: int, head_dim: int, dtype: torch.dtype) -> list:
     return specs
 
 
+def limit_key(name: str, const: dict, options: dict, dtype: torch.dtype) -> str:
+    """The row of the ahead-of-time limit table (``ops/kernel_limits.json``) of one kernel
+    specialisation: what sets its shared memory and registers."""
+    return (f"{name}|{str(dtype).replace('torch.', '')}|P{const['BLOCK_P']}"
+            f"|K{const['BLOCK_K']}|D{const['BLOCK_D']}|w{options['num_warps']}")
+
+
+def limit_keys(num_candidates: int, head_dim: int, dtype: torch.dtype,
+               prefix: str = '') -> list:
+    """``limit_key`` of the kernels whose name starts with ``prefix`` (``'scores'``,
+    ``'messages'``, ``'final_level_b'``, ``'final_level_a'``; all by default)."""
+    return [limit_key(name, const, options, dtype) for name, _, _, const, options
+            in aot_specs(num_candidates, head_dim, dtype) if name.startswith(prefix)]
+
+
 def _num_candidates(index: torch.Tensor, parent_width: int) -> int:
     """Candidates per parent: ``index``'s last dim, 4x that for parent lists."""
     return index.shape[-1] * (4 if parent_width else 1)
@@ -539,7 +550,9 @@ def check_inputs(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
     for t in (a, src):
         if t.dtype not in _FLOAT_DTYPES:
             return f'dtype {t.dtype} (the kernels take float32 / bfloat16 / float16)'
-    return device_problem((a, src, index), __name__)
+    return device_problem((a, src, index), __name__) or shared_memory_problem(
+        'quadtree', lambda: limit_keys(K, d, src.dtype, 'scores' if scores else 'messages'),
+        src.device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -672,20 +685,10 @@ _messages_op.register_autograd(
 
 def _final_blocks(K: int, d: int) -> Tuple[int, int, int, int]:
     """``BLOCK_P``, ``BLOCK_K``, ``BLOCK_D`` and warps of the fused final-level kernels (two
-    gathered ``(BLOCK_P, BLOCK_K, BLOCK_D)`` tiles live at once, forward and backward).
-
-    Spill stores (ptxas sm_90, Triton 3.8's bundled ptxas, ``gpu_kernel_check.py --aot
-    90``, one parent per program, 4K = 128 candidates, 8 warps, fp32 / bf16): both forwards
-    none; the backward with ``dk`` / ``dv`` scattered in ``_FINAL_CHUNK_D = 8``-channel
-    chunks (``_qt_final_bwd``) none at d = 32, and at d = 64 B 212 / 116 B, A 228 / 224 B.
-    The earlier backward, accumulating ``dk`` / ``dv`` next to the gathered rows (four
-    tiles), spilled B 476 / 372 B and A 1172 / 1268 B at d = 64 and A 60 / 76 B at d = 32.
-    Other settings tried at d = 64 (fp32, B / A): chunks of 16 channels 216 / 476 B, of 32
-    404 / 1488 B, of 4 216 / 124 B (but 16-byte pieces of a 32-byte sector per atomic);
-    16 warps with chunks of 8: 60 / 224 B, 32 warps: 60 / 164 B (with 64 registers per
-    thread, one program per SM); 8 warps stay, chunks of 8 (one 32-byte sector per
-    candidate row and chunk). On parent cells (``PARENTS``, 2026-12-02) at d = 64, fp32 /
-    bf16: B 132 / 124 B, A 232 / 228 B; nothing at d = 32. Not timed on a GPU."""
+    gathered ``(BLOCK_P, BLOCK_K, BLOCK_D)`` tiles live at once, forward and backward; the
+    backward scatters ``dk`` / ``dv`` in chunks of ``_FINAL_CHUNK_D`` channels, one 32-byte
+    sector per candidate row, to keep fewer tiles live; registers and spills per target:
+    ``docs/benchmarks/kernel_limits.md``)."""
     _, bk, bd = _blocks(K, d)
     bp = 2 if INTERPRETED else max(1, min(16, _GPU_TILE // (2 * bk * bd)))
     return bp, bk, bd, 4 if bp * bk * bd <= 2048 else 8
@@ -696,6 +699,7 @@ def _final_chunk_d(block_d: int) -> int:
     return min(block_d, _FINAL_CHUNK_D)
 
 
+@on_tensor_device
 def _final_forward(query, key, value, index, prev_score, scale=None, parent_width=0):
     """``(out, stats)`` of ``_qt_final_fwd``: variant B when ``prev_score`` is ``None``
     (``stats`` ``(B, h, L, F, 2)`` float32; ``out`` times the float32 scalar ``scale`` if
@@ -718,6 +722,7 @@ def _final_forward(query, key, value, index, prev_score, scale=None, parent_widt
     return out, stats
 
 
+@on_tensor_device
 def _final_backward_launch(grad, query, key, value, index, stats, prev_score, scale=None,
                            parent_width=0):
     """``(dq, dk, dv, dprev_score, dscale)`` by ``_qt_final_bwd`` (``dprev_score`` empty
@@ -928,7 +933,7 @@ def final_level_b_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    return _run_op(_final_b_problem(query, key, value, index, scale, parent_width),
+    return _run_op(final_b_problem(query, key, value, index, scale, parent_width),
                    torch.ops.flatten_mm.qt_final_level_b, query, key, value, index,
                    scale, parent_width)[0]
 
@@ -940,10 +945,14 @@ def _final_level_problem(query, key, value, index, parent_width) -> Optional[str
         why = f'value {tuple(value.shape)} does not match key {tuple(key.shape)}'
     if why is None:
         why = check_inputs(query, value, index, True, parent_width)
+    if why is None:
+        why = shared_memory_problem('quadtree', lambda: limit_keys(
+            _num_candidates(index, parent_width), query.shape[-1], key.dtype, 'final_level'),
+            query.device)
     return why
 
 
-def _final_b_problem(query, key, value, index, scale, parent_width) -> Optional[str]:
+def final_b_problem(query, key, value, index, scale, parent_width) -> Optional[str]:
     """``_final_level_problem`` and B's ``scale`` (one float32 element, or ``None``)."""
     why = _final_level_problem(query, key, value, index, parent_width)
     if why is None and scale is not None:
@@ -955,7 +964,7 @@ def _final_b_problem(query, key, value, index, scale, parent_width) -> Optional[
     return why
 
 
-def _final_a_problem(query, key, value, index, prev_score, parent_width) -> Optional[str]:
+def final_a_problem(query, key, value, index, prev_score, parent_width) -> Optional[str]:
     """``_final_level_problem`` and A's ``prev_score`` (``(B, h, L, K / 4)``, query dtype)."""
     why = _final_level_problem(query, key, value, index, parent_width)
     if why is None:
@@ -1001,7 +1010,7 @@ def final_level_a_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Raises:
         ValueError: inputs the kernels do not take (see ``check_inputs``).
     """
-    return _run_op(_final_a_problem(query, key, value, index, prev_score, parent_width),
+    return _run_op(final_a_problem(query, key, value, index, prev_score, parent_width),
                    torch.ops.flatten_mm.qt_final_level_a, query, key, value, index,
                    prev_score, parent_width)
 
@@ -1046,10 +1055,10 @@ class _ProjectedFinalLevel(torch.autograd.Function):
         # (the projections ran in the dtype of x and the weights: no autocast here, even if
         # the backward is called inside an autocast region)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            query = _level_queries(_projected_map(x, wq, bq, hw), h, temp)
-            key = _to_heads(_projected_map(x, wk, bk, hw), h).to(key_dtype)
+            query = level_queries(_projected_map(x, wq, bq, hw), h, temp)
+            key = to_heads(_projected_map(x, wk, bk, hw), h).to(key_dtype)
             if wv is not None:
-                value = _to_heads(_projected_map(x, wv, bv, hw), h).to(value_dtype)
+                value = to_heads(_projected_map(x, wv, bv, hw), h).to(value_dtype)
         if grouped:
             dq, dk, dv, dextra = torch.ops.flatten_mm.qt_final_level_a_backward(
                 grad, query, key, value, index, extra, pw)
@@ -1095,7 +1104,7 @@ def final_level_projected_triton(query: torch.Tensor, key: torch.Tensor, value: 
     query, key (and value) that are projections of one input (``projections``, a
     ``quadtree_attention.Projections``): the same output and gradients, but the backward
     recomputes them (one GEMM each, and the layout: ``query`` must be
-    ``_level_queries(query map, num_heads, temp)``, ``key`` / ``value`` the ``_to_heads``
+    ``level_queries(query map, num_heads, temp)``, ``key`` / ``value`` the ``_to_heads``
     of their maps, in their own dtype) instead of keeping them, so a training step keeps
     no float32 grouped queries or key map of the finest level (``x`` is kept by the
     projections anyway).
@@ -1107,7 +1116,7 @@ def final_level_projected_triton(query: torch.Tensor, key: torch.Tensor, value: 
     if variant not in ('A', 'B'):
         raise ValueError(f"variant must be 'A' or 'B', got {variant!r}")
     grouped = variant == 'A'
-    why = (_final_a_problem if grouped else _final_b_problem)(query, key, value, index, extra,
+    why = (final_a_problem if grouped else final_b_problem)(query, key, value, index, extra,
                                                               parent_width)
     if why is None:
         why = _projections_problem(projections, query, key, hw_shape, num_heads)

@@ -1,0 +1,346 @@
+"""The one dispatch between the attention operators' PyTorch paths and their Triton kernels.
+
+Two kernel families sit behind it: ``'fla'`` (``ops.fla_triton``, the FLA core and the
+projected FLA layer) and ``'quadtree'`` (``ops.quadtree_triton``, QuadTree's finer levels).
+An operator asks ``use_kernels(use_triton, family, x, why_not, key)`` and runs the kernels
+only if it says yes; the PyTorch path is the fallback and the reference.
+
+``use_triton`` (an operator argument, ``attn_cfg=dict(use_triton=...)`` in a backbone):
+
+* ``False``, or ``FLATTEN_MM_TRITON=0`` in the environment: never.
+* ``True``: always; anything that stands in the way raises (the kernels do not import,
+  the inputs do not fit, deterministic mode with atomics), and a kernel error propagates.
+* ``None`` (auto, the default): on CUDA tensors, outside tracing / ONNX export, when
+  Triton imports, and then only after passing these gates, in this order:
+
+  1. **determinism**: with ``torch.use_deterministic_algorithms(True)`` (mmengine's
+     ``randomness=dict(deterministic=True)``) a family whose backward accumulates with float
+     atomics (QuadTree) is not used when autograd records the call (inference keeps it);
+  2. **ROCm**: the kernels are built and checked for NVIDIA GPUs only (``torch.version.hip``);
+  3. **the inputs** (the family's ``check_inputs``, ``why_not``), including the device's
+     shared memory for the tiles the launch would compile (``kernel_limits``);
+  4. **the first-use check**: the first time a kernel configuration (``key``: the op and
+     everything that selects its compiled specialisation -- dtypes, matmul precision,
+     channels, heads, ...) meets a device in this process, its forward and backward run on
+     a tiny input spanning at least two tiles with a ragged tail, against the PyTorch path
+     (``register_first_use_check``), synchronised, inside ``try``. An exception or a
+     mismatch beyond ``TOLERANCES`` gives **one** ``RuntimeWarning`` naming the op, the
+     device (name, compute capability), the dtype and the error, and the PyTorch path for
+     that configuration from then on. The verdict is cached per (family, device, key).
+
+  A kernel that raises later in eager mode (a specialisation the check did not compile)
+  is treated the same way (``guarded``): one warning, the PyTorch path for that call and
+  every later one of its configuration. Out-of-memory errors are re-raised.
+
+Under ``torch.compile`` every decision is a constant of the graph (``assume_constant_result``:
+no graph break; a verdict not yet made runs its check when the graph is traced). On CPU
+tensors in auto mode nothing but ``use_triton`` and the device type is looked at.
+"""
+import contextlib
+import importlib
+import os
+import threading
+import warnings
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+
+#: environment switch: ``FLATTEN_MM_TRITON=0`` turns the Triton kernels off everywhere
+TRITON_ENV = 'FLATTEN_MM_TRITON'
+
+#: family -> (kernel module, whether its backward accumulates with float atomics)
+FAMILIES: Dict[str, Tuple[str, bool]] = {
+    'fla': ('flatten_mm.models.ops.fla_triton', False),
+    'quadtree': ('flatten_mm.models.ops.quadtree_triton', True),
+}
+
+#: device types on which ``use_triton=None`` considers the kernels. Tests add ``'cpu'`` to
+#: exercise the auto mode on kernels run by Triton's interpreter (``TRITON_INTERPRET=1``).
+AUTO_DEVICE_TYPES: Tuple[str, ...] = ('cuda', )
+
+#: first-use check tolerance: the largest absolute difference from the PyTorch path,
+#: relative to the largest absolute value of the PyTorch path, per output dtype (and TF32
+#: matmuls). Both paths accumulate in float32 and round once, so they differ by at most
+#: two roundings of the output dtype (bf16 2^-8, fp16 2^-10) or of TF32's inputs (~2e-3)
+#: plus float32 summation order (~1e-6 measured on the CPU); the bounds leave 2x headroom.
+TOLERANCES = {'float32': 1e-4, 'tf32': 5e-3, 'bfloat16': 2.0**-7, 'float16': 2.0**-9,
+              'float64': 1e-10}
+
+_lock = threading.RLock()
+_import_errors: Dict[str, Optional[str]] = {}  # family -> None (imports) or why not
+_checks: Dict[str, Callable[[tuple, torch.device], None]] = {}
+_verdicts: Dict[Tuple[str, str, tuple], bool] = {}
+_warned = set()
+
+
+class KernelMismatch(AssertionError):
+    """A kernel's result differs from the PyTorch path beyond the tolerance."""
+
+
+def triton_env_enabled() -> bool:
+    """``False`` when ``FLATTEN_MM_TRITON`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return os.environ.get(TRITON_ENV, '1').strip().lower() not in ('0', 'false', 'no', 'off')
+
+
+def check_use_triton(use_triton: Optional[bool]) -> Optional[bool]:
+    """Validate an operator's ``use_triton`` argument (``None``, ``True`` or ``False``)."""
+    if not (use_triton is None or isinstance(use_triton, bool)):
+        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
+    return use_triton
+
+
+def kernel_module(family: str):
+    """The family's kernel module (imported once; the first failure is warned about and
+    remembered: ``None`` then)."""
+    with _lock:
+        if family not in _import_errors:
+            try:
+                importlib.import_module(FAMILIES[family][0])
+                _import_errors[family] = None
+            except Exception as e:  # ImportError, or a Triton that fails to initialise
+                _import_errors[family] = f'{type(e).__name__}: {e}'
+                warnings.warn(f'flatten_mm: {family} Triton kernels unavailable, using the '
+                              f'PyTorch path ({_import_errors[family]})', RuntimeWarning,
+                              stacklevel=3)
+        if _import_errors[family] is not None:
+            return None
+        return importlib.import_module(FAMILIES[family][0])
+
+
+@torch.compiler.assume_constant_result  # (a constant under torch.compile: no graph break)
+def kernels_import(family: str) -> bool:
+    """Whether the family's kernel module imports (see ``kernel_module``)."""
+    return kernel_module(family) is not None
+
+
+def import_error(family: str) -> Optional[str]:
+    """Why the family's kernels did not import (``None`` if they did or were not tried)."""
+    return _import_errors.get(family)
+
+
+def register_first_use_check(family: str, check: Callable[[tuple, torch.device], None]) -> None:
+    """Set the family's first-use check: ``check(key, device)`` runs the kernels of ``key``
+    forward and backward on a tiny input on ``device`` and raises (``KernelMismatch`` or the
+    kernel's own error) if they do not match the PyTorch path. Registered by the operator
+    modules, which own the reference."""
+    _checks[family] = check
+
+
+def device_description(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H200, sm_90)``, or the device and what runs the kernels there."""
+    if device.type == 'cuda':
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return f'cuda:{index} ({props.name}, sm_{props.major}{props.minor})'
+    return f'{device} (Triton interpreter)'
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == 'cuda' and device.index is None:
+        return f'cuda:{torch.cuda.current_device()}'
+    return str(device)
+
+
+def is_rocm(device: torch.device) -> bool:
+    return device.type == 'cuda' and torch.version.hip is not None
+
+
+def gate_problem(family: str, device: torch.device, records_grad: bool) -> Optional[str]:
+    """Why the family's kernels must not serve this device / mode (``None`` if they may):
+    deterministic algorithms with a backward that uses atomics, or a ROCm device."""
+    if (records_grad and FAMILIES[family][1]
+            and torch.are_deterministic_algorithms_enabled()):
+        return (f'deterministic algorithms are enabled and the {family} kernels\' backward '
+                'accumulates with float atomics (not bitwise reproducible)')
+    if is_rocm(device):
+        return 'a ROCm (HIP) device: the kernels are built and checked for NVIDIA GPUs only'
+    return None
+
+
+def _auto_device(x: torch.Tensor) -> bool:
+    return x.device.type in AUTO_DEVICE_TYPES
+
+
+def wanted(use_triton: Optional[bool], family: str, x: torch.Tensor,
+           records_grad: bool = False) -> bool:
+    """The gates that do not depend on the inputs' shapes: whether the family's kernels may
+    serve tensors like ``x`` (``use_triton=True``: ``RuntimeError`` where they cannot)."""
+    if use_triton is False or use_triton is None and not _auto_device(x):
+        return False  # (first: nothing else is looked at on the CPU path, e.g. under dynamo)
+    if not triton_env_enabled():
+        return False
+    if use_triton is None:
+        if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+            return False
+        if not kernels_import(family):
+            return False
+    elif use_triton is not True:
+        raise ValueError(f'use_triton must be None, True or False, got {use_triton!r}')
+    elif not kernels_import(family):
+        raise RuntimeError(f'use_triton=True but the {family} Triton kernels do not import: '
+                           f'{import_error(family)}')
+    why = _gate_problem_constant(family, x.device.type, x.device.index, records_grad)
+    if why is not None:
+        if use_triton:
+            raise RuntimeError(f'use_triton=True but {why}')
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _gate_problem_constant(family: str, device_type: str, index: Optional[int],
+                           records_grad: bool) -> Optional[str]:
+    return gate_problem(family, torch.device(device_type, index), records_grad)
+
+
+def use_kernels(use_triton: Optional[bool], family: str, x: torch.Tensor,
+                why_not: Callable[[], Optional[str]], key: Callable[[], tuple],
+                records_grad: bool = False) -> bool:
+    """Whether to run the family's kernel for this call: ``wanted``, then the inputs
+    (``why_not()``: the family's ``check_inputs``; ``use_triton=True``: ``ValueError`` saying
+    why not), then in auto mode the first-use check of ``key()`` on ``x``'s device."""
+    if not wanted(use_triton, family, x, records_grad):
+        return False
+    why = why_not()
+    if why is not None:
+        if use_triton:
+            raise ValueError(f'use_triton=True but the {family} Triton kernels cannot take '
+                             f'these inputs: {why}')
+        return False
+    if use_triton:
+        return True
+    return verdict(family, x.device.type, x.device.index, key())
+
+
+@torch.compiler.assume_constant_result
+def verdict(family: str, device_type: str, index: Optional[int], key: tuple) -> bool:
+    """Whether the kernel configuration ``key`` passed its first-use check on the device
+    (run now if it was not checked yet in this process)."""
+    device = torch.device(device_type, index)
+    cache_key = (family, _device_key(device), key)
+    with _lock:
+        if cache_key not in _verdicts:
+            _verdicts[cache_key] = _run_first_use_check(family, device, key)
+        return _verdicts[cache_key]
+
+
+def _run_first_use_check(family: str, device: torch.device, key: tuple) -> bool:
+    check = _checks.get(family)
+    if check is None:
+        return True  # (no check registered: the operator module was not imported)
+    try:
+        with _neutral_context(device):
+            check(key, device)
+            if device.type == 'cuda':
+                torch.cuda.synchronize(device)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # every failure of an unproven kernel means: not this one
+        report_failure(family, key, device, e, 'failed its first-use check')
+        return False
+
+
+@contextlib.contextmanager
+def _neutral_context(device: torch.device) -> Iterator[None]:
+    """Grad on, autocast off, not in inference mode, on ``device``, with the caller's RNG
+    state untouched (the check draws from its own generator)."""
+    with torch.inference_mode(False), torch.enable_grad(), \
+            torch.autocast(device.type, enabled=False), device_guard(device):
+        yield
+
+
+def report_failure(family: str, key: tuple, device: torch.device, error: BaseException,
+                   what: str) -> None:
+    """The one warning of a failed kernel configuration (and its verdict: not used again)."""
+    with _lock:
+        _verdicts[(family, _device_key(device), key)] = False
+        if (family, key, _device_key(device)) in _warned:
+            return
+        _warned.add((family, key, _device_key(device)))
+    op, dtype = (key + ('?', '?'))[:2]
+    msg = str(error).strip().splitlines()
+    warnings.warn(
+        f'flatten_mm: the {family} Triton kernel {op} ({dtype}) {what} on '
+        f'{device_description(device)}: {type(error).__name__}: '
+        f'{msg[0] if msg else ""}; it runs on the PyTorch path from now on in this process '
+        f'(configuration {key}; FLATTEN_MM_TRITON=0 turns the kernels off)',
+        RuntimeWarning, stacklevel=3)
+
+
+def guarded(family: str, key: tuple, device: torch.device, forced: bool,
+            kernel: Callable[[], object], fallback: Callable[[], object]):
+    """``kernel()``, or in auto mode, eagerly, if it raises (a compilation or resource error
+    of a specialisation the first-use check did not compile): the one warning and
+    ``fallback()``. Out-of-memory errors and errors under ``use_triton=True`` propagate;
+    under ``torch.compile`` the kernel call is traced as it is."""
+    if forced or torch.compiler.is_compiling():
+        return kernel()
+    try:
+        return kernel()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:
+        report_failure(family, key, device, e, 'raised')
+        return fallback()
+
+
+def device_guard(device: torch.device):
+    """The context in which a kernel for tensors on ``device`` is launched: that CUDA
+    device made current (Triton launches on the current device), else nothing."""
+    if device.type == 'cuda' and not torch.compiler.is_compiling():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """The tolerance class of a float32 kernel output: ``'tf32'`` when TF32 matmuls are
+    allowed (the kernels and the PyTorch path then both use them), else the dtype's name."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return 'tf32'
+    return str(dtype).replace('torch.', '')
+
+
+def assert_close(name: str, got: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+                 tolerance: float) -> None:
+    """Raise ``KernelMismatch`` unless ``got`` matches ``ref``: same shape, non-finite
+    values in the same places, and the largest difference of the finite ones within
+    ``tolerance`` of the largest reference value."""
+    if got is None or ref is None:
+        if got is not ref:
+            raise KernelMismatch(f'{name}: one path gives no value')
+        return
+    if got.shape != ref.shape:
+        raise KernelMismatch(f'{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}')
+    g, r = got.detach().double(), ref.detach().double()
+    if not torch.equal(g.isnan(), r.isnan()) or not torch.equal(g.isinf(), r.isinf()):
+        raise KernelMismatch(f'{name}: NaN / Inf in other places than the PyTorch path')
+    finite = r.isfinite()
+    if not finite.any():
+        return
+    scale = r[finite].abs().max().clamp_min(1e-30)
+    err = float((g[finite] - r[finite]).abs().max() / scale)
+    if not err <= tolerance:
+        raise KernelMismatch(f'{name}: largest difference {err:.2e} of the largest value, '
+                             f'tolerance {tolerance:.1e}')
+
+
+def check_generator(seed: int = 0) -> torch.Generator:
+    """A CPU generator for the first-use checks' inputs (the caller's RNG is not drawn)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def reset() -> None:
+    """Forget every verdict, warning and import failure (tests; a new process starts so)."""
+    with _lock:
+        _verdicts.clear()
+        _warned.clear()
+        _import_errors.clear()
+
+
+def verdicts() -> Dict[Tuple[str, str, tuple], bool]:
+    """The first-use verdicts made so far: ``{(family, device, key): passed}``."""
+    with _lock:
+        return dict(_verdicts)
