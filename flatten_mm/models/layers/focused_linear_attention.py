@@ -760,18 +760,7 @@ def _first_use_check(key: tuple, device: torch.device) -> None:
                                               parts[-1], scale, h, p, pos, res)
     else:
         raise ValueError(f'unknown FLA kernel op {op!r}')
-    leaves = [t for t in inputs if t is not None]
-    grad_out, results = None, []
-    for use_triton in (True, False):
-        out = run(use_triton)
-        if grad_out is None:
-            grad_out = torch.randn(out.shape, generator=gen).to(out)
-        results.append((out, torch.autograd.grad(out, leaves, grad_out)))
-    (outs, grads) = zip(*results)
-    dispatch.assert_close(f'{op} output', outs[0], outs[1], tol)
-    for i, (a, b) in enumerate(zip(*grads)):
-        dispatch.assert_close(f'{op} gradient of input {i}', a, b, tol)
-
+    dispatch.compare_paths(op, run, [t for t in inputs if t is not None], gen, tol)
 
 dispatch.register_first_use_check('fla', _first_use_check)
 

@@ -1159,17 +1159,7 @@ def _first_use_check(key: tuple, device: torch.device) -> None:
                 attn = torch.softmax(scores, dim=-1)
             out = gathered_messages(attn, v, index, use_triton=False, parent_width=iw)
             return out if grouped or extra is None else out * extra
-    grad_out, results = None, []
-    for use_triton in (True, False):
-        out = run(use_triton)
-        if grad_out is None:
-            grad_out = torch.randn(out.shape, generator=gen).to(out)
-        results.append((out, torch.autograd.grad(out, leaves, grad_out)))
-    (out_k, grads_k), (out_r, grads_r) = results
-    dispatch.assert_close(f'{op} output', out_k, out_r, tol)
-    for i, (a, b) in enumerate(zip(grads_k, grads_r)):
-        dispatch.assert_close(f'{op} gradient of input {i}', a, b, tol)
-
+    dispatch.compare_paths(op, run, leaves, gen, tol)
 
 dispatch.register_first_use_check('quadtree', _first_use_check)
 

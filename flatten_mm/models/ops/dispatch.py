@@ -325,6 +325,23 @@ def assert_close(name: str, got: Optional[torch.Tensor], ref: Optional[torch.Ten
                              f'tolerance {tolerance:.1e}')
 
 
+def compare_paths(op: str, run: Callable[[bool], torch.Tensor], leaves, gen: torch.Generator,
+                  tolerance: float) -> None:
+    """The core of a first-use check: ``run(True)`` (the kernels) and ``run(False)`` (the
+    PyTorch path), each with a backward of the same random output gradient into
+    ``leaves``; ``KernelMismatch`` unless output and every gradient agree (``assert_close``)."""
+    grad_out, results = None, []
+    for use_triton in (True, False):
+        out = run(use_triton)
+        if grad_out is None:
+            grad_out = torch.randn(out.shape, generator=gen).to(out)
+        results.append((out, torch.autograd.grad(out, leaves, grad_out)))
+    (out_k, grads_k), (out_r, grads_r) = results
+    assert_close(f'{op} output', out_k, out_r, tolerance)
+    for i, (a, b) in enumerate(zip(grads_k, grads_r)):
+        assert_close(f'{op} gradient of input {i}', a, b, tolerance)
+
+
 def check_generator(seed: int = 0) -> torch.Generator:
     """A CPU generator for the first-use checks' inputs (the caller's RNG is not drawn)."""
     g = torch.Generator()
