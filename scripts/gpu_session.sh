@@ -11,7 +11,7 @@
 # (estimates for an H200 from docs/benchmarks/cuda_*.csv: a batch-8 training step is ~3x
 # the forward, e.g. ~0.3 s per round for FLatten-PVTv2-b0 + two PVTv2-b0 at 1024²):
 #   1. environment (nvidia-smi, versions, commit) -> environment.txt          ~5 s
-#   2. tools/analysis/gpu_kernel_check.py --out $OUT/kernels --compile --safety  <=300 s
+#   2. benchmarks/gpu_kernel_check.py --out $OUT/kernels --compile --safety  <=300 s
 #      (when present; SMOKE: --help only, it needs CUDA): FLA and QuadTree kernels in
 #      fp32 / bf16 / fp16, head dims up to 128, each with one torch.compile case; the
 #      safety checks: first-use verdicts, TF32, bitwise repeats, NaN / Inf, a second
@@ -58,7 +58,7 @@ BUDGET_S=${BUDGET_S:-540}
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
-BENCH=(tools/analysis/benchmark.py)
+BENCH=(benchmarks/benchmark.py)
 if [ "$SMOKE" = 1 ]; then
     # CPU, tiny models and sizes (--quick), inductor replaced by aot_eager (no C++ build),
     # one variant of each parametrised loop: every command line below runs once
@@ -164,16 +164,16 @@ PY
 fi
 
 # 2. kernel checks of the fused kernels against the PyTorch path (another tool's job)
-if [ -f tools/analysis/gpu_kernel_check.py ]; then
+if [ -f benchmarks/gpu_kernel_check.py ]; then
     if [ "$SMOKE" = 1 ]; then  # its CPU behaviour is its own business: import + CLI only
-        step kernel_check 0 60 "$PYTHON" tools/analysis/gpu_kernel_check.py --help
+        step kernel_check 0 60 "$PYTHON" benchmarks/gpu_kernel_check.py --help
     else
-        step kernel_check 30 300 "$PYTHON" tools/analysis/gpu_kernel_check.py --out "$OUT/kernels" \
+        step kernel_check 30 300 "$PYTHON" benchmarks/gpu_kernel_check.py --out "$OUT/kernels" \
             --compile --safety --dtypes fp32,bf16,fp16 \
             --cases pvt-v2-b0-stage1,swin-t-stage1,pvt-v2-b0-stage4,pvt-t-stage1,reduced-keys-sr4,head-dim-128,qt-b0-stage2,qt-b1-stage1
     fi
 elif [ -z "$ONLY" ] || [[ ",$ONLY," == *",kernel_check,"* ]]; then
-    say "SKIP kernel_check: tools/analysis/gpu_kernel_check.py is absent"
+    say "SKIP kernel_check: benchmarks/gpu_kernel_check.py is absent"
     [ "$DRY_RUN" = 1 ] || printf 'kernel_check\tabsent\t0\n' >> "$STATUS"
 fi
 

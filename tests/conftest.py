@@ -8,7 +8,7 @@ import os.path as osp
 # torch.compile tests import triton long before tests/test_layers/test_fla_triton.py, and
 # interpreted kernels cannot call compiled-mode library functions, so the whole suite runs
 # with the interpreter on (it changes nothing for CPU code; real GPU checks are
-# tools/analysis/gpu_kernel_check.py, not this suite).
+# benchmarks/gpu_kernel_check.py, not this suite).
 os.environ.setdefault('TRITON_INTERPRET', '1')
 
 import pytest  # noqa: E402

@@ -56,7 +56,7 @@ MUTANTS: List[Mutant] = [
            ('tests/test_e2e_pretrained.py', '-k', 'train_script')),
     Mutant('converter-swaps-blocks', 'the PVT converter maps official block j to block j^1 '
            '(keys and shapes still match for depth-2 stages)',
-           'flatten_mm/converters/flatten_pvt.py',
+           'flatten_mm/checkpoints/converters/flatten_pvt.py',
            "        (r'block(\\d)\\.(\\d+)\\.(.*)', lambda m: f'stages.{s(m)}.blocks.{m.group(2)}",
            "        (r'block(\\d)\\.(\\d+)\\.(.*)', lambda m: f'stages.{s(m)}.blocks."
            "{int(m.group(2)) ^ 1}",
@@ -70,12 +70,12 @@ MUTANTS: List[Mutant] = [
            "file=sys.stderr)\n            return 0\n",
            ('tests/test_analysis/test_swap_smoke_verdict.py', '-k', 'cli_fails_on_a_nan_loss')),
     Mutant('smoke-ok-ignores-losses', "the report's verdict drops the loss-finiteness clause",
-           'flatten_mm/analysis/swap_smoke.py',
+           'flatten_mm/swap/smoke.py',
            "        if bad:\n            out.append('non-finite losses: '",
            "        if False:\n            out.append('non-finite losses: '",
            ('tests/test_analysis/test_swap_smoke_verdict.py', '-k', 'failure_alone')),
     Mutant('smoke-no-grad-blind', 'the smoke stops noticing parameters without a gradient',
-           'flatten_mm/analysis/swap_smoke.py',
+           'flatten_mm/swap/smoke.py',
            "    no_grad = [f'backbone.{n}' for n, p in trainable if p.grad is None]",
            "    no_grad = [f'backbone.{n}' for n, p in trainable if p.grad is None and "
            "not p.requires_grad]",

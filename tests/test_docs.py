@@ -9,7 +9,7 @@
   session, and every ``--flag`` the docs pass to it must appear in that help.
 * User docs name no file outside the repository (the development fixtures).
 * The model index: every config is in a metafile, every metafile entry names an existing
-  config, no empty ``Metrics``, the official weights of ``flatten_mm.zoo`` are the
+  config, no empty ``Metrics``, the official weights of ``flatten_mm.models.zoo`` are the
   metafiles' ``Weights``, and ``mim search flatten_mm`` (openmim, from the installed
   package's ``.mim``; no network) lists every config.
 * Every ``FLATTEN_MM_*`` variable the code reads is documented in docs/get_started.md.
@@ -474,7 +474,7 @@ def test_metafiles_cover_every_config_with_results_or_a_reason():
 
 
 def test_metafiles_carry_every_official_file_of_the_zoo():
-    from flatten_mm import zoo
+    from flatten_mm.models import zoo
     by_config = {m['Config']: m for m in _models()}
     for w in zoo.official_weights().values():
         if w.is_whole_model:

@@ -1,7 +1,7 @@
 """Checkpoint parity with the official implementations on every golden fixture.
 
 Every ``../shared/fixtures/*.pt`` goes through the same library path as
-``tools/check_parity.py``; fixtures of families added later are picked up automatically.
+``dev/check_parity.py``; fixtures of families added later are picked up automatically.
 The bound is the CLI's default, ``REL_TOL = 1e-5`` of ``max(1, max|ref|)``: the shipped
 fixtures agree to <= 9.1e-7 of it on every output (QuadTree: every code path, see
 ``test_parity_quadtree.py``).
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, requires_shared, shared_fixtures
-from flatten_mm.parity import find_adapter, run_parity
-from flatten_mm.parity.core import REL_TOL
+from dev.parity import find_adapter, run_parity
+from dev.parity.core import REL_TOL
 
 FIXTURES = shared_fixtures('*.pt')
 
@@ -72,7 +72,7 @@ def test_check_parity_cli_exit_codes(tmp_path):
     fx['stage_outputs'][1] = fx['stage_outputs'][1] + 2e-4  # rel ~5e-5: 1e-5 < . < 1e-4
     bad = tmp_path / 'bad.pt'
     torch.save(fx, bad)
-    cmd = [sys.executable, osp.join(REPO_ROOT, 'tools', 'check_parity.py')]
+    cmd = [sys.executable, osp.join(REPO_ROOT, 'dev', 'check_parity.py')]
     ok = subprocess.run(cmd + [good], capture_output=True, text=True, cwd=REPO_ROOT)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert 'stage_outputs[3]' in ok.stdout and '1 passed, 0 failed' in ok.stdout

@@ -1,4 +1,4 @@
-"""The QuadTree parity rule (``flatten_mm/parity/quadtree.py``): strict everywhere except
+"""The QuadTree parity rule (``dev/parity/quadtree.py``): strict everywhere except
 on the tokens a top-k near-tie (float64 margin < ``NEAR_TIE``) can reach; and every
 QuadTree fixture on every code path (fused CPU kernel, PyTorch inference path, autograd).
 """
@@ -11,8 +11,8 @@ from conftest import FIXTURES_DIR, requires_shared, shared_fixtures
 from flatten_mm.models.layers import QuadTreeAttention
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 from flatten_mm.models.layers import quadtree_attention as qta
-from flatten_mm.parity import ADAPTERS, find_adapter, run_parity
-from flatten_mm.parity.quadtree import NEAR_TIE, reference_topk
+from dev.parity import ADAPTERS, find_adapter, run_parity
+from dev.parity.quadtree import NEAR_TIE, reference_topk
 
 PATH = osp.join(FIXTURES_DIR, 'quadtree_b_det_small.pt')
 QUADTREE_FIXTURES = shared_fixtures('quadtree*.pt')
@@ -33,7 +33,7 @@ def genuine(fx):
     model.eval()
     with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
         outs = [o.clone() for o in adapter.stage_outputs(model, fx['input'])]
-    from flatten_mm.parity.quadtree import near_tie_masks
+    from dev.parity.quadtree import near_tie_masks
     masks = near_tie_masks(adapter.calls, [o.shape[-2:] for o in outs], adapter._depths,
                            outs[0].shape[0])
     return model, outs, list(adapter.calls), masks

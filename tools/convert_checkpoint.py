@@ -27,10 +27,10 @@ from collections import Counter
 
 from mmengine.config import DictAction
 
-from flatten_mm.converters import CONVERTERS
-from flatten_mm.utils import CheckpointError, load_foreign_checkpoint, save_checkpoint_file
-from flatten_mm.utils.convert import ConversionError, convert_checkpoint
-from flatten_mm.utils.whole_model import (checkpoint_is_whole_model, convert_whole_checkpoint,
+from flatten_mm.checkpoints.converters import CONVERTERS
+from flatten_mm.checkpoints import CheckpointError, load_foreign_checkpoint, save_checkpoint_file
+from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint
+from flatten_mm.apis.whole_model import (checkpoint_is_whole_model, convert_whole_checkpoint,
                                           summarize_dropped)
 
 

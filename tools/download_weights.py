@@ -8,11 +8,11 @@ NAME is a backbone name of ``tools/swap_backbone.py --list`` with official Image
 weights (``quadtree-b-pvt-v2-b0``, ``flatten-swin-t``, ...) or one of the 15 QuadTree
 detection / segmentation models, named after the config that evaluates them
 (``mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco``). ``--list`` prints every official file
-with its published ImageNet top-1 / COCO AP / ADE20K mIoU (``flatten_mm.zoo``).
+with its published ImageNet top-1 / COCO AP / ADE20K mIoU (``flatten_mm.models.zoo``).
 
 The official file is downloaded (progress on stderr; an interrupted download resumes from
 ``<dir>/official/<NAME>.pth.part``) to ``<dir>/official/<NAME>.pth``, its SHA-256 is
-checked against the one published in ``flatten_mm.zoo`` where known and otherwise against
+checked against the one published in ``flatten_mm.models.zoo`` where known and otherwise against
 the one recorded at its first download (``<dir>/official/SHA256SUMS.json``), then it is
 converted: ImageNet weights to ``<dir>/<NAME>_in1k.pth`` (the path of ``init_cfg`` in the
 configs), whole models to ``<dir>/<NAME>.pth`` (checked against their config; evaluate
@@ -32,10 +32,10 @@ from typing import Optional
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from flatten_mm import zoo  # noqa: E402
-from flatten_mm.utils import (CheckpointError, load_foreign_checkpoint,  # noqa: E402
+from flatten_mm.models import zoo  # noqa: E402
+from flatten_mm.checkpoints import (CheckpointError, load_foreign_checkpoint,  # noqa: E402
                               save_checkpoint_file)
-from flatten_mm.utils.convert import ConversionError, convert_checkpoint  # noqa: E402
+from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -161,7 +161,7 @@ def convert_official(weights: zoo.OfficialWeights, raw: str, dst: str, force: bo
     ckpt = load_foreign_checkpoint(raw, trust=trust)
     digest = sha256_of(raw)
     if weights.is_whole_model:
-        from flatten_mm.utils.whole_model import convert_whole_checkpoint
+        from flatten_mm.apis.whole_model import convert_whole_checkpoint
         out, _, _ = convert_whole_checkpoint(ckpt, osp.join(REPO_ROOT, weights.config),
                                              family=weights.family, source=source or raw)
         out['meta'].update(name=weights.name, sha256=digest)
@@ -187,7 +187,7 @@ def format_list(root: str = REPO_ROOT) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ['  '.join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
     released = set(zoo.imagenet_names())
-    from flatten_mm.analysis.catalogue import backbone_catalogue
+    from flatten_mm.models.catalogue import backbone_catalogue
     none = [n for n in backbone_catalogue() if n not in released]
     lines += ['', f'{len(zoo.OFFICIAL_WEIGHTS)} official files (FLatten and QuadTree; SimA '
               'released none). No official weights exist for: ' + ', '.join(none) + '.',

@@ -7,12 +7,12 @@
 SRC_CONFIG is a config file or a scoped name (``mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py``).
 The new config inherits it and overrides the backbone, the channels read by the neck /
 heads, ``out_indices``, ``custom_imports``, the weight-decay rules and (with
-``--checkpoint``) ``init_cfg``; see ``flatten_mm/analysis/swap.py``. Nothing is written
+``--checkpoint``) ``init_cfg``; see ``flatten_mm/swap/plan.py``. Nothing is written
 when the config cannot be adapted or NEW_CONFIG exists (without ``--force``).
 ``--verify`` builds the new model on CPU and runs one forward; ``--train-smoke`` runs one
 training iteration on real images through the config's own train pipeline (its dataset,
 else the bundled demo images; a synthetic batch when that pipeline cannot run on them,
-see ``flatten_mm/analysis/swap_demo.py``) and checks that the losses and gradients are
+see ``flatten_mm/swap/demo.py``) and checks that the losses and gradients are
 finite and every trainable backbone parameter gets a gradient (if not: exit status 1 and
 an error line saying which).
 """
@@ -22,10 +22,10 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from flatten_mm.analysis.catalogue import format_catalogue  # noqa: E402
-from flatten_mm.analysis.swap import swap_backbone, verify_config  # noqa: E402
-from flatten_mm.analysis.swap_demo import DemoUnavailable  # noqa: E402
-from flatten_mm.analysis.swap_smoke import train_smoke  # noqa: E402
+from flatten_mm.models.catalogue import format_catalogue  # noqa: E402
+from flatten_mm.swap.plan import swap_backbone, verify_config  # noqa: E402
+from flatten_mm.swap.demo import DemoUnavailable  # noqa: E402
+from flatten_mm.swap.smoke import train_smoke  # noqa: E402
 
 
 def parse_args(argv=None):

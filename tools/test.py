@@ -73,7 +73,7 @@ def main(argv=None) -> None:
             else list(cfg.test_evaluator)
         cfg.test_evaluator.append(dict(type='DumpResults', out_file_path=args.out))
 
-    from flatten_mm.utils.mmengine_compat import setup_cpu_distributed
+    from flatten_mm.compat import setup_cpu_distributed
     for note in setup_cpu_distributed(cfg):  # torchrun on a machine without CUDA
         print(f'flatten_mm: {note}', file=sys.stderr)
     from mmengine.registry import RUNNERS

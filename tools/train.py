@@ -74,7 +74,7 @@ def build_cfg(args) -> Config:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = build_cfg(args)
-    from flatten_mm.utils.mmengine_compat import setup_cpu_distributed
+    from flatten_mm.compat import setup_cpu_distributed
     for note in setup_cpu_distributed(cfg):  # torchrun on a machine without CUDA
         print(f'flatten_mm: {note}', file=sys.stderr)
     from mmengine.registry import RUNNERS

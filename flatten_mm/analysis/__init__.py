@@ -1,5 +1,3 @@
-"""User-facing analysis: backbone catalogue, config swapping, FLOP counting, attention
-visualisation. The CLIs in ``tools/`` are thin wrappers around these modules."""
-from .catalogue import BackboneSpec, backbone_catalogue, format_catalogue, get_backbone_spec
-
-__all__ = ['BackboneSpec', 'backbone_catalogue', 'format_catalogue', 'get_backbone_spec']
+"""What a model costs and what its attention does: FLOP / parameter counting
+(``flops``, ``tools/analysis/get_flops.py``) and attention maps (``visualize``,
+``tools/analysis/visualize_attention.py``)."""

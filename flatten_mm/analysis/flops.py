@@ -54,6 +54,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.nn as nn
 
+from ..apis.forward import build_model, dense_forward
 from ..models.layers import (CrossShapedAttention, FocusedLinearAttention,
                              FocusedLinearAttentionQKV, FocusedLinearQKV, LePEAttention,
                              QuadTreeAttention, ShiftedWindowAttention, SimAAttention,
@@ -548,7 +549,6 @@ def model_complexity(cfg, input_hw: Tuple[int, int], stub_attention: bool = True
     """FLOPs and parameters of the model of an mmdet / mmseg config for one
     ``(1, 3, *input_hw)`` image (``forward.dense_forward``: RoI heads on
     ``num_proposals`` fixed proposals)."""
-    from .forward import build_model, dense_forward
     model = build_model(cfg)
     x = torch.zeros(1, 3, *input_hw)
     report = count_flops(model, x, lambda m, t: dense_forward(m, t, num_proposals),

@@ -30,11 +30,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models.catalogue import get_backbone_spec
 from ..models.layers import (CrossShapedAttention, FocusedLinearAttention,
                              FocusedLinearAttentionQKV, FocusedLinearQKV, QuadTreeAttention,
                              SimAAttention)
 from ..models.layers.focused_linear_attention import focused_feature_map
 from ..models.layers.pos_embed import resize_pos_table
+from ..models.pretrained import load_pretrained
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
@@ -439,11 +441,9 @@ def build_backbone(backbone: Union[str, nn.Module], checkpoint: Optional[str] = 
     converted by ``tools/convert_checkpoint.py`` (checked like ``init_cfg``: a file of
     another family / variant raises ``ValueError``)."""
     if isinstance(backbone, str):
-        from .catalogue import get_backbone_spec
         backbone = get_backbone_spec(backbone).build()
         backbone.init_weights()
     if checkpoint:
-        from ..utils.pretrained import load_pretrained
         load_pretrained(backbone, dict(type='Pretrained', checkpoint=checkpoint))
     return backbone.eval()
 

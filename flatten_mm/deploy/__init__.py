@@ -7,7 +7,9 @@
   file's ``metadata_props``.
 * ``runtime``: ``OnnxModel``, an ONNX Runtime session that reads that metadata and
   refuses input sizes the file is not valid for.
-* ``benchmark``: ONNX Runtime vs PyTorch eager latency (paired protocol).
+
+The latency benchmark against eager PyTorch is ``benchmarks/benchmark_onnx.py`` in a
+checkout.
 """
 from .export import ExportResult, export_onnx, max_relative_differences
 from .runtime import OnnxModel, read_metadata

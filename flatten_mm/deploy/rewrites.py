@@ -23,6 +23,10 @@ from typing import Iterator, List
 import torch
 import torch.nn as nn
 
+from flatten_mm.models.layers.quadtree_attention import levels_in_one_chunk
+
+from .two_stage import two_stage_rewrites
+
 
 def _adaptive_avg_pool2d_forward(original):
 
@@ -75,8 +79,6 @@ def export_rewrites() -> Iterator[List[str]]:
     pool.forward = _adaptive_avg_pool2d_forward(original_pool)
     undo.append(lambda: setattr(pool, 'forward', original_pool))
     applied.append('torch.nn.AdaptiveAvgPool2d (bins as slices)')
-    from flatten_mm.models.layers.quadtree_attention import levels_in_one_chunk
-    from .two_stage import two_stage_rewrites
     stack = contextlib.ExitStack()
     undo.append(stack.close)
     stack.enter_context(levels_in_one_chunk())

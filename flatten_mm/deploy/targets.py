@@ -18,6 +18,12 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.nn as nn
+from mmengine.config import Config
+from mmengine.runner import load_checkpoint
+
+from ..apis.forward import build_model
+from ..models.catalogue import get_backbone_spec
+from .two_stage import two_stage_tensor_forward, two_stage_unsupported
 
 _ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 #: bundled real image used by ``--check`` (COCO val2017, see demo/data/SOURCES.md)
@@ -113,7 +119,6 @@ class _Normalized(nn.Module):
 def backbone_target(name: str, model: Optional[nn.Module] = None) -> ExportTarget:
     """A bare backbone: catalogue ``name`` (random weights) or the given ``model``."""
     if model is None:
-        from ..analysis.catalogue import get_backbone_spec
         model = get_backbone_spec(name).build()
     model = model.eval()
     n = len(model.out_indices) if hasattr(model, 'out_indices') else len(model.out_channels)
@@ -151,7 +156,6 @@ def _per_level_names(inner: nn.Module, head: str, min_hw) -> List[str]:
 
 def _two_stage(model: nn.Module, min_hw) -> Tuple[nn.Module, List[str], str]:
     """The exported part of a two-stage detector, its output names and the note."""
-    from .two_stage import two_stage_tensor_forward, two_stage_unsupported
     reason = two_stage_unsupported(model)
     if reason is None:
         names = ['rois', 'rpn_scores']
@@ -180,15 +184,12 @@ def config_target(config, checkpoint: Optional[str] = None,
                   cfg_options: Optional[dict] = None) -> ExportTarget:
     """An mmseg segmentor or mmdet detector built from ``config`` (path or Config),
     with ``checkpoint`` loaded when given (random weights otherwise)."""
-    from mmengine.config import Config
-    from ..analysis.forward import build_model
     cfg = config if isinstance(config, Config) else Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     scope = cfg.get('default_scope')
     model = build_model(cfg)
     if checkpoint:
-        from mmengine.runner import load_checkpoint
         load_checkpoint(model, checkpoint, map_location='cpu')
     model.eval()
     name = osp.basename(getattr(config, 'filename', None) or str(config))

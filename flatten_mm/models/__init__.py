@@ -1,6 +1,14 @@
-"""Models of flatten_mm. Importing this package registers every backbone in the
-``flatten_mm`` scope (``flatten_mm.registry.MODELS``)."""
-from ..utils.mmengine_compat import install as _install_checkpoint_loader
+"""The models: importing this package registers every backbone in the ``flatten_mm``
+scope (``flatten_mm.registry.MODELS``); configs name it in ``custom_imports``.
+
+From the bottom up: ``ops`` (optional fast paths -- Triton, C++ -- behind one dispatch,
+each with the PyTorch path as fallback), ``layers`` (the attention operators and blocks
+in plain PyTorch, the reference), ``catalogue`` (every backbone variant under a
+user-facing name, derived from the registered arch tables), ``zoo`` (the official
+checkpoints of those variants), ``pretrained`` (checked ``init_cfg=Pretrained`` loading)
+and ``backbones`` (one skeleton per family, variants as ``arch_zoo`` tables).
+"""
+from ..compat import install as _install_checkpoint_loader
 from .backbones import *  # noqa: F401,F403
 from .backbones import __all__ as _backbones_all
 from .layers import ATTENTIONS, build_attention

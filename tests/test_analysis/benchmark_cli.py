@@ -1,4 +1,4 @@
-"""``tools/analysis/benchmark.py`` loaded as a module (the benchmark tests call its
+"""``benchmarks/benchmark.py`` loaded as a module (the benchmark tests call its
 ``main`` / parsers directly)."""
 import importlib.util
 import os.path as osp
@@ -9,7 +9,7 @@ ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 def load_cli():
     """The tool's module, freshly executed."""
     spec = importlib.util.spec_from_file_location('benchmark_cli',
-                                                  osp.join(ROOT, 'tools/analysis/benchmark.py'))
+                                                  osp.join(ROOT, 'benchmarks/benchmark.py'))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

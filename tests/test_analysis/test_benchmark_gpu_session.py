@@ -41,16 +41,16 @@ def test_every_gpu_command_parses():
     assert order.index('profile_bf16') < order.index('steps_fp32_triton1') < order.index(
         'steps_fp32_triton0') < order.index('compile_fp32_flatten-pvt-v2-b0')
     for name, argv in steps.items():
-        if 'tools/analysis/gpu_kernel_check.py' in argv:
+        if 'benchmarks/gpu_kernel_check.py' in argv:
             spec = importlib.util.spec_from_file_location(
-                'gpu_kernel_check', osp.join(ROOT, 'tools/analysis/gpu_kernel_check.py'))
+                'gpu_kernel_check', osp.join(ROOT, 'benchmarks/gpu_kernel_check.py'))
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            module.parse_args(argv[argv.index('tools/analysis/gpu_kernel_check.py') + 1:])
+            module.parse_args(argv[argv.index('benchmarks/gpu_kernel_check.py') + 1:])
             continue
-        if 'tools/analysis/benchmark.py' not in argv:
+        if 'benchmarks/benchmark.py' not in argv:
             continue
-        args = cli.parse_args(argv[argv.index('tools/analysis/benchmark.py') + 1:])
+        args = cli.parse_args(argv[argv.index('benchmarks/benchmark.py') + 1:])
         assert args.device == 'cuda' and not args.quick, name
         cli._pairs(args, quick=False)  # family names exist (SystemExit otherwise)
         if name.startswith('steps_'):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import import_interpreted
-from flatten_mm.analysis.benchmark import profiling
+from benchmarks.core import profiling
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from benchmark_cli import load_cli  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from flatten_mm.analysis import benchmark as bm
+from benchmarks import core as bm
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from benchmark_cli import load_cli  # noqa: E402

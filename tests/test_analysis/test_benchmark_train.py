@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from flatten_mm.analysis import benchmark as bm
-from flatten_mm.analysis.benchmark import profiling, train
+from benchmarks import core as bm
+from benchmarks.core import profiling, train
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from benchmark_cli import load_cli  # noqa: E402

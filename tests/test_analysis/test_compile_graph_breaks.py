@@ -5,7 +5,7 @@ additionally compiles and runs them (``--compile-backend inductor``)."""
 import pytest
 import torch
 
-from flatten_mm.analysis import benchmark as bm
+from benchmarks import core as bm
 
 dynamo = pytest.importorskip('torch._dynamo')
 # one model per attention operator family (QuadTree A shares B's code paths)

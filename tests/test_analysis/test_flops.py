@@ -324,8 +324,8 @@ def test_layer_hooks_match_mmengine_flop_analyzer():
 
 def test_retinanet_from_config_counts_each_product_once(tmp_path):
     pytest.importorskip('mmdet')
-    from flatten_mm.analysis.forward import build_model, dense_forward
-    from flatten_mm.analysis.swap import swap_backbone
+    from flatten_mm.apis.forward import build_model, dense_forward
+    from flatten_mm.swap.plan import swap_backbone
     from mmengine.config import Config
     out = tmp_path / 'retina.py'
     swap_backbone('mmdet::retinanet/retinanet_r50_fpn_1x_coco.py', 'flatten-pvt-v2-b0', str(out))

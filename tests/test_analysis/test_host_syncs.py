@@ -2,7 +2,7 @@
 
 An op that makes the host wait for the GPU (``.item()``, a tensor made from Python data
 and copied to the device, value-dependent output sizes) drains the kernel queue; found
-here on CPU by ``flatten_mm.analysis.benchmark.syncs``. Every backbone family's training
+here on CPU by ``benchmarks.core.syncs``. Every backbone family's training
 forward + backward must have none, on the PyTorch path and with our operators on their
 Triton kernels (interpreted); the audit itself must find each kind, at the right line.
 """
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from conftest import import_interpreted
-from flatten_mm.analysis.benchmark import profiling, syncs
-from flatten_mm.analysis.benchmark.cases import tiny_backbones
+from benchmarks.core import profiling, syncs
+from benchmarks.core.cases import tiny_backbones
 
 import_interpreted('flatten_mm.models.ops.fla_triton',
                    'flatten_mm.models.ops.quadtree_triton')

@@ -1,4 +1,4 @@
-"""tools/swap_backbone.py and flatten_mm.analysis.swap on real upstream configs.
+"""tools/swap_backbone.py and flatten_mm.swap.plan on real upstream configs.
 
 Each produced config must parse, inherit its source, build, run the model's inference
 graph on CPU (backbone + neck + heads at 224x256) with the neck / heads reading exactly
@@ -14,8 +14,8 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from flatten_mm.analysis.catalogue import backbone_catalogue, get_backbone_spec
-from flatten_mm.analysis.swap import (SwapError, load_source_config, plan_swap, swap_backbone,
+from flatten_mm.models.catalogue import backbone_catalogue, get_backbone_spec
+from flatten_mm.swap.plan import (SwapError, load_source_config, plan_swap, swap_backbone,
                                       verify_config)
 
 from conftest import REPO_ROOT
@@ -175,7 +175,7 @@ def test_no_weight_decay_on_norms_tables_and_scales(tmp_path, src, name):
     scale parameter of the backbone gets weight decay 0, its linear weights do not."""
     from mmengine.optim import build_optim_wrapper
     from mmengine.registry import init_default_scope
-    from flatten_mm.analysis.forward import build_model
+    from flatten_mm.apis.forward import build_model
     from flatten_mm.models.layers import FocusedLinearAttention
     from flatten_mm.models.layers.focused_linear_attention import _FocusedLinearRegion
     out = tmp_path / 'new.py'
@@ -405,7 +405,7 @@ def test_catalogue_covers_every_arch():
 def test_source_strides_exact_or_measured(scope, backbone, strides, how):
     """Strides come from a family's exact geometry, or from a forward of the source
     backbone (channels then too); mmpretrain types are handled without mmpretrain."""
-    from flatten_mm.analysis.swap_measure import measure_source_backbone
+    from flatten_mm.swap.measure import measure_source_backbone
     geometry = measure_source_backbone(backbone, scope)
     assert geometry.strides == strides
     if how == 'config':
@@ -449,7 +449,7 @@ def test_train_smoke(tmp_path, src, name, loss_keys, batch):
     head and a gradient to every trainable backbone parameter, and the config's optimizer
     steps; the report says which batch it used (demo images through the config's own
     pipeline, or synthetic and why)."""
-    from flatten_mm.analysis.swap_smoke import train_smoke
+    from flatten_mm.swap.smoke import train_smoke
     out = tmp_path / 'new.py'
     swap_backbone(src, name, str(out))
     report = train_smoke(str(out), input_hw=(128, 128), batch_size=2)
@@ -469,7 +469,7 @@ def test_demo_batch_is_the_demo_data_through_the_config_pipeline():
     with labels in 0..149 / 255 (reduce_zero_label)."""
     import json
     from collections import Counter
-    from flatten_mm.analysis.swap_demo import DEMO_ROOT, demo_batch
+    from flatten_mm.swap.demo import DEMO_ROOT, demo_batch
     cfg, _ = load_source_config('mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py')
     batch, desc = demo_batch(cfg, (128, 128), batch_size=3, num_classes=80)
     assert desc.startswith('3 images of demo data demo/data/coco_mini (CocoDataset not '
@@ -506,7 +506,7 @@ def test_demo_batch_is_the_demo_data_through_the_config_pipeline():
 def test_demo_batch_refuses_what_the_demo_data_cannot_feed():
     """The reasons the smoke falls back to a synthetic batch: fewer classes than the demo
     labels (Cityscapes' 19), panoptic annotations the demo data lacks."""
-    from flatten_mm.analysis.swap_demo import DemoUnavailable, demo_batch
+    from flatten_mm.swap.demo import DemoUnavailable, demo_batch
     cfg, _ = load_source_config('mmseg::ocrnet/ocrnet_hr18s_4xb2-40k_cityscapes-512x1024.py')
     with pytest.raises(DemoUnavailable, match=r"^the model has 19 classes and the demo data "
                        r"\(ADE20KDataset\) labels 150; the config's dataset CityscapesDataset "
@@ -521,7 +521,7 @@ def test_train_smoke_reports_backbone_parameters_without_gradient(tmp_path):
     """The check is not vacuous: RetinaNet's FPN (start_level=1) fed a SimA backbone's
     stride-4 map (what the swap wrote before it dropped unread maps) leaves that map's
     adapter without a gradient, and the report names it."""
-    from flatten_mm.analysis.swap_smoke import train_smoke
+    from flatten_mm.swap.smoke import train_smoke
     src = 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py'
     out = tmp_path / 'new.py'
     swap_backbone(src, 'sima-xcit-n12-p16', str(out))
@@ -542,7 +542,7 @@ def test_train_smoke_reports_backbone_parameters_without_gradient(tmp_path):
 # on real demo images through the config's own train pipeline (flatten-pvt-v2-b0, the
 # smallest backbone, unless said; smoke size 128, SSDlite its 320 input_size; fewer
 # RoIs). Options: size, backbone, train=False (forward only: DINO, whose training step
-# at the 256 it needs costs ~90 s here; tools/analysis/swap_sweep.py trains it), batch
+# at the 256 it needs costs ~90 s here; dev/swap_sweep.py trains it), batch
 # (the expected batch: MaskFormer's panoptic pipeline cannot run on the demo data).
 FAMILIES = [
     ('mmdet::fcos/fcos_r50-caffe_fpn_gn-head_1x_coco.py', 'loss_centerness', {}),
@@ -582,7 +582,7 @@ def test_family_forward_and_train_smoke(tmp_path, src, loss_key, opts):
     """The written config reads the new backbone's channels, runs one forward and one
     training iteration on the bundled demo images (its own pipeline): finite losses of
     its heads, a gradient for every trainable backbone parameter, an optimizer step."""
-    from flatten_mm.analysis.swap_smoke import train_smoke
+    from flatten_mm.swap.smoke import train_smoke
     name = opts.get('backbone', 'flatten-pvt-v2-b0')
     out = tmp_path / 'new.py'
     swap_backbone(src, name, str(out))
@@ -611,11 +611,11 @@ def test_family_forward_and_train_smoke(tmp_path, src, loss_key, opts):
 
 
 def test_sweep_representative_and_table(tmp_path):
-    """tools/analysis/swap_sweep.py: the representative of a family is its first config
+    """dev/swap_sweep.py: the representative of a family is its first config
     in sorted file-name order with a model.backbone; wrappers are skipped with the
     reason; a refusal row carries the tool's reason; the CSV round-trips (a rerun replaces
     the family's row) and the Markdown counts the statuses."""
-    from flatten_mm.analysis.swap_sweep import (SweepRow, append_row, configs_root,
+    from dev.sweeps.swap_sweep import (SweepRow, append_row, configs_root,
                                                 read_rows, render_markdown,
                                                 representative, sweep_one)
     root = configs_root('mmdet')
@@ -642,9 +642,9 @@ def test_mmsyncbn_built_as_bn(tmp_path):
     a model config, once noted; torch's SyncBN is left (reverted after the build). The
     swapped Simple Copy-Paste config (MMSyncBN heads) does not build as written on one
     CPU process and builds with the fallback, as verify_config / the sweep build it."""
-    from flatten_mm.analysis.forward import build_model
-    from flatten_mm.analysis.swap_smoke import mmsyncbn_as_bn
-    from flatten_mm.analysis.swap_sweep_all import build_config
+    from flatten_mm.apis.forward import build_model
+    from flatten_mm.swap.smoke import mmsyncbn_as_bn
+    from dev.sweeps.swap_sweep_all import build_config
     model = dict(neck=dict(norm_cfg=dict(type='SyncBN')),
                  roi_head=dict(bbox_head=[dict(norm_cfg=dict(type='MMSyncBN', eps=1e-3)),
                                           dict(norm_cfg=dict(type='MMSyncBN'))]),
@@ -687,7 +687,7 @@ def test_train_smoke_semantic_head_batch(tmp_path, monkeypatch, src, head):
     """HTC / SCNet: the semantic head needs stuff label maps, which the demo data lacks:
     --smoke-data real refuses with that reason; auto goes to the synthetic batch without
     trying the demo pipeline."""
-    from flatten_mm.analysis import swap_demo, swap_smoke
+    from flatten_mm.swap import demo as swap_demo, smoke as swap_smoke
     cfg = _swapped(tmp_path, src)
     with pytest.raises(swap_demo.DemoUnavailable) as err:
         swap_smoke.train_smoke(cfg, input_hw=(64, 64), data='real')
@@ -703,7 +703,7 @@ def test_train_smoke_semantic_head_batch(tmp_path, monkeypatch, src, head):
         seen.append((scope, model_cfg.roi_head.semantic_head.type, tuple(input_hw)))
         raise _Stop
 
-    monkeypatch.setattr(swap_demo, 'demo_batch', no_demo)
+    monkeypatch.setattr(swap_smoke, 'demo_batch', no_demo)
     monkeypatch.setattr(swap_smoke, 'synthetic_batch', synthetic)
     with pytest.raises(_Stop):
         swap_smoke.train_smoke(cfg, input_hw=(64, 64), data='auto')
@@ -714,8 +714,8 @@ def test_train_smoke_builds_the_optimizer_before_the_forward(tmp_path, monkeypat
     """DDQ-DETR registers bbox_head.aux_reg_branches under its decoder in its first
     training forward; an optimizer built after that sees those parameters twice and
     torch refuses. train_smoke builds it first, as mmengine's Runner does."""
-    from flatten_mm.analysis import swap_smoke
-    from flatten_mm.analysis.forward import build_model
+    from flatten_mm.swap import smoke as swap_smoke
+    from flatten_mm.apis.forward import build_model
     cfg = _swapped(tmp_path, 'mmdet::ddq/ddq-detr-4scale_r50_8xb2-12e_coco.py')
     model = build_model(cfg).train()
     notes = []
@@ -746,8 +746,8 @@ def test_train_smoke_builds_the_optimizer_before_the_forward(tmp_path, monkeypat
 def test_train_smoke_amp_wrapper_on_cpu(tmp_path):
     """An AmpOptimWrapper config (CUDA-only) is stepped as OptimWrapper on CPU, without
     loss_scale / dtype, and says so."""
-    from flatten_mm.analysis.swap_smoke import _build_optim_wrapper
-    from flatten_mm.analysis.forward import build_model
+    from flatten_mm.swap.smoke import _build_optim_wrapper
+    from flatten_mm.apis.forward import build_model
     from mmengine.optim import OptimWrapper
     cfg = _swapped(tmp_path, 'mmdet::atss/atss_r18_fpn_8xb8-amp-lsj-200e_coco.py')
     assert cfg.optim_wrapper.type == 'AmpOptimWrapper'
@@ -761,8 +761,8 @@ def test_train_smoke_amp_wrapper_on_cpu(tmp_path):
 def test_fcn_head_without_convs_reads_the_new_width(tmp_path):
     """Segmenter's linear head (FCNHead, num_convs=0: the classifier reads the backbone
     map itself, channels == in_channels asserted) takes the new backbone's width for
-    both; found by tools/analysis/swap_sweep.py --all-configs (the build failed)."""
-    from flatten_mm.analysis.swap_sweep_all import build_config
+    both; found by dev/swap_sweep.py --all-configs (the build failed)."""
+    from dev.sweeps.swap_sweep_all import build_config
     cfg = _swapped(tmp_path, 'mmseg::segmenter/segmenter_vit-s_fcn_8xb1-160k_ade20k-512x512.py')
     head = cfg.model.decode_head
     assert (head.type, head.num_convs) == ('FCNHead', 0)
@@ -780,7 +780,7 @@ def test_smoke_models_are_initialised_without_reading_checkpoints(tmp_path):
     removed instead of read, and two builds under one seed are identical (before,
     the L2Norm weight held whatever was in memory: losses of 1e26 or NaN that changed
     from one build to the next)."""
-    from flatten_mm.analysis.forward import build_model, strip_pretrained
+    from flatten_mm.apis.forward import build_model, strip_pretrained
     cfg_dict = dict(backbone=dict(init_cfg=dict(type='Pretrained', checkpoint='x.pth')),
                     neck=dict(init_cfg=[dict(type='Xavier'),
                                         dict(type='Pretrained', checkpoint='y.pth')]),

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip('mmdet')
 from mmengine.config import Config  # noqa: E402
 
-from flatten_mm.analysis.swap_smoke import SmokeReport  # noqa: E402
+from flatten_mm.swap.smoke import SmokeReport  # noqa: E402
 
 from conftest import REPO_ROOT  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""tools/analysis/swap_sweep.py --all-configs (flatten_mm/analysis/swap_sweep_all.py).
+"""dev/swap_sweep.py --all-configs (dev/sweeps/swap_sweep_all.py).
 
 Every config of a family is enumerated; one with a model.backbone is swapped, written and
 its model built; refusals carry the tool's reason; the CSV resumes (a rerun skips what
@@ -29,8 +29,8 @@ def _cli():
 def test_family_configs_counts_every_file_and_skips_those_without_a_backbone():
     """A family's configs are all its ``.py`` files (own, then sub-directories'); a
     tracker's configs (model.detector, no model.backbone) are skipped with the reason."""
-    from flatten_mm.analysis.swap_sweep import configs_root
-    from flatten_mm.analysis.swap_sweep_all import family_configs, read_backbone_config
+    from dev.sweeps.swap_sweep import configs_root
+    from dev.sweeps.swap_sweep_all import family_configs, read_backbone_config
     for scope, fam in (('mmdet', 'qdtrack'), ('mmseg', 'segformer'), ('mmdet', 'common')):
         top = osp.join(configs_root(scope), fam)
         on_disk = sorted(osp.relpath(osp.join(d, f), top) for d, _, files in os.walk(top)
@@ -54,7 +54,7 @@ def test_all_configs_rows_table_and_resume(tmp_path, capsys, monkeypatch):
     """One adapted and built config (autoassign), one refused (ERFNet's stride-2 map, the
     tool's reason naming it), two skipped trackers; Markdown per-family counts and the
     refusal listed; a rerun does nothing; --redo failed reruns only that row."""
-    from flatten_mm.analysis.swap_sweep_all import (ConfigRow, append_all_row,
+    from dev.sweeps.swap_sweep_all import (ConfigRow, append_all_row,
                                                     read_all_rows)
     cli = _cli()
     csv_path, md_path = str(tmp_path / 'all.csv'), str(tmp_path / 'all.md')
@@ -119,7 +119,7 @@ def test_build_failure_is_classified_against_the_source(tmp_path, monkeypatch):
     """A build error of the written config is ``failed`` with the one-line error, unless
     the unswapped source fails the same way (``source-fails``) or a package is missing
     (``needs-package``)."""
-    from flatten_mm.analysis import swap_sweep_all
+    from dev.sweeps import swap_sweep_all
     rel = 'autoassign/autoassign_r50-caffe_fpn_1x_coco.py'
     real = swap_sweep_all.build_config
 
@@ -164,7 +164,7 @@ def test_cached_metafiles_answers_as_mmengine():
     resolves the name as a base path); restored on exit."""
     from mmengine.config import utils
     from mmengine.utils import get_installed_path
-    from flatten_mm.analysis.swap_sweep_all import cached_metafiles
+    from dev.sweeps.swap_sweep_all import cached_metafiles
     pkg = get_installed_path('mmdet')
     original = utils._get_cfg_metainfo
     name = 'mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py'  # as the metafiles name it
@@ -183,8 +183,8 @@ def test_run_pass_runs_identical_configs_once(tmp_path, capsys, monkeypatch):
     r101 Semantic FPN configs are the same model once swapped (same run_key), so the
     second takes the first's result (same_as) without running; the Cityscapes ones
     (19 classes, another pipeline) run themselves. A rerun runs nothing."""
-    from flatten_mm.analysis import swap_sweep
-    from flatten_mm.analysis.swap_sweep_all import read_all_rows
+    from dev.sweeps import swap_sweep
+    from dev.sweeps.swap_sweep_all import read_all_rows
     cli = _cli()
     csv_path, md_path = str(tmp_path / 'all.csv'), str(tmp_path / 'all.md')
     argv = ['--all-configs', '--run', '--families', 'sem_fpn', '--csv', csv_path,
@@ -227,8 +227,8 @@ def test_run_failure_is_classified_and_taken_over(tmp_path, monkeypatch):
     """A forward error of the written config is ``failed`` with the stage and the
     one-line error (``source-fails`` when the unswapped source fails the same way); an
     identical config takes the failure over, naming the config that failed."""
-    from flatten_mm.analysis import swap_sweep, swap_sweep_all
-    from flatten_mm.analysis.swap_sweep_all import ConfigRow, run_config
+    from dev.sweeps import swap_sweep, swap_sweep_all
+    from dev.sweeps.swap_sweep_all import ConfigRow, run_config
 
     def swapped_fails(cfg, hw, train, time_limit):
         if cfg.model.backbone.type.startswith('flatten_mm.'):
@@ -264,8 +264,8 @@ def test_failed_run_is_retried_in_a_new_process(tmp_path, monkeypatch):
     """A run that fails in the sweep's process (here: a forward error patched into this
     process only) is run again in a new Python process; its pass is kept, and the reason
     keeps the first error and says where each result came from. The Markdown lists it."""
-    from flatten_mm.analysis import swap_sweep
-    from flatten_mm.analysis.swap_sweep_all import ConfigRow, render_markdown_all, run_config
+    from dev.sweeps import swap_sweep
+    from dev.sweeps.swap_sweep_all import ConfigRow, render_markdown_all, run_config
     monkeypatch.setattr(swap_sweep, '_check', lambda cfg, hw, train, tl: (
         'forward', RuntimeError('state of an earlier model'), None)
         if cfg.model.backbone.type.startswith('flatten_mm.') else ('', None, None))

@@ -216,7 +216,7 @@ def test_cli_writes_pngs(tmp_path):
 
 
 def test_checkpoint_is_loaded_and_checked(tmp_path):
-    from flatten_mm.analysis.catalogue import get_backbone_spec
+    from flatten_mm.models.catalogue import get_backbone_spec
     from flatten_mm.analysis.visualize import build_backbone
     ref = get_backbone_spec('flatten-pvt-v2-b0').build()
     path = str(tmp_path / 'b0.pth')

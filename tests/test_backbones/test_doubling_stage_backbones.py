@@ -12,7 +12,7 @@ import torch
 
 import flatten_mm.models.layers.focused_linear_attention as fla_module
 from flatten_mm.models import FLattenCSWin, FLattenSwin
-from flatten_mm.parity import find_adapter
+from dev.parity import find_adapter
 
 from conftest import assert_checkpointing_matches, requires_shared, shared_fixtures
 
@@ -193,7 +193,7 @@ FIXTURE_CASES = [(name, path) for name, fam in FAMILIES.items()
                          ids=[f'{n}-{p.rsplit("/", 1)[-1]}' for n, p in FIXTURE_CASES])
 def test_float64_parity_with_official(name, path):
     """In float64 the converted model reproduces the official float64 stage outputs to
-    rounding (the float32 check is tools/check_parity.py / tests/test_parity.py)."""
+    rounding (the float32 check is dev/check_parity.py / tests/test_parity.py)."""
     if path == 'missing':
         pytest.skip(f'no {FAMILIES[name].fixtures} fixtures')
     fx = torch.load(path, weights_only=True)

@@ -196,15 +196,16 @@ def swin_geometry(pretrain, window, **arch):
 
 
 def capture_log(monkeypatch) -> list:
-    import mmengine.logging
+    """The messages the checked Pretrained loader logs."""
+    from flatten_mm.models import pretrained
     messages = []
-    original = mmengine.logging.print_log
+    original = pretrained.print_log
 
     def spy(msg, *args, **kwargs):
         messages.append(str(msg))
         return original(msg, *args, **kwargs)
 
-    monkeypatch.setattr(mmengine.logging, 'print_log', spy)
+    monkeypatch.setattr(pretrained, 'print_log', spy)
     return messages
 
 

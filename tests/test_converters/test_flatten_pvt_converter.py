@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from flatten_mm.converters import CONVERTERS, guess_family, unwrap_checkpoint
+from flatten_mm.checkpoints.converters import CONVERTERS, guess_family, unwrap_checkpoint
 from flatten_mm.models import FLattenPVT, FLattenPVTv2
-from flatten_mm.utils.convert import ConversionError, convert_checkpoint
+from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint
 
 CASES = [('flatten_pvt_v2_b0', FLattenPVTv2, 'b0'), ('flatten_pvt_v2_b1', FLattenPVTv2, 'b1'),
          ('flatten_pvt_v2_b2', FLattenPVTv2, 'b2'), ('flatten_pvt_v2_b3', FLattenPVTv2, 'b3'),

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from flatten_mm.converters import CONVERTERS, guess_family
+from flatten_mm.checkpoints.converters import CONVERTERS, guess_family
 from flatten_mm.models import FLattenCSWin, FLattenSwin
-from flatten_mm.utils.convert import ConversionError, convert_checkpoint
+from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint
 
 CASES = [('flatten_swin_T_224', FLattenSwin, 't'), ('flatten_swin_S_224', FLattenSwin, 's'),
          ('flatten_swin_B_224', FLattenSwin, 'b'), ('flatten_swin_B_384', FLattenSwin, 'b-384'),

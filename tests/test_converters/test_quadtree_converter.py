@@ -3,9 +3,9 @@ convert to exactly the keys and shapes of ``QuadTreePVTv2``."""
 import pytest
 import torch
 
-from flatten_mm.converters import CONVERTERS, guess_family
+from flatten_mm.checkpoints.converters import CONVERTERS, guess_family
 from flatten_mm.models import QuadTreePVTv2
-from flatten_mm.utils.convert import ConversionError, convert_checkpoint
+from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint
 
 CASES = [('quadtree_b0', 'b0'), ('quadtree_b1', 'b1'), ('quadtree_b2', 'b2'),
          ('quadtree_b3', 'b3'), ('quadtree_b4', 'b4'), ('quadtreeA_b0', 'a-b0')]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import requires_shared, shared_fixtures
-from flatten_mm.converters import CONVERTERS, guess_family
+from flatten_mm.checkpoints.converters import CONVERTERS, guess_family
 from flatten_mm.models import SimAXCiT
 
 VARIANTS = [('nano_12', 'n12'), ('tiny_12', 't12'), ('small_12', 's12'), ('tiny_24', 't24'),
@@ -45,7 +45,7 @@ def test_signature_tells_sima_from_xcit(official_listing):
 @requires_shared()
 @pytest.mark.parametrize('path', shared_fixtures('sima_xcit*.pt'))
 def test_fixture_state_dict_loads_strictly_but_for_fpn(path):
-    from flatten_mm.parity import find_adapter
+    from dev.parity import find_adapter
     fx = torch.load(path, weights_only=True)
     adapter = find_adapter(fx)
     model = adapter.build(fx)
@@ -56,7 +56,7 @@ def test_fixture_state_dict_loads_strictly_but_for_fpn(path):
 
 @pytest.mark.parametrize('arch,ok', [('n12-p8', True), ('n12', False)])
 def test_convert_checkpoint_workflow_checks_patch_size(official_listing, arch, ok):
-    from flatten_mm.utils.convert import ConversionError, convert_checkpoint
+    from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint
     ckpt = {'model': official_listing('sima_nano_12_p8')}
     if ok:
         converted, dropped, family = convert_checkpoint(ckpt, arch=arch)

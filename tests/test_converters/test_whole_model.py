@@ -27,8 +27,8 @@ pytest.importorskip('mmseg')
 sys.path.insert(0, osp.join(REPO_ROOT, 'tools'))
 import convert_checkpoint  # noqa: E402
 
-from flatten_mm.converters.whole_model import convert_whole_model, is_whole_model  # noqa: E402
-from flatten_mm.utils.whole_model import build_config_model  # noqa: E402
+from flatten_mm.checkpoints.converters.whole_model import convert_whole_model, is_whole_model  # noqa: E402
+from flatten_mm.apis.whole_model import build_config_model  # noqa: E402
 
 QT = 'configs/mmdet/quadtree_pvt_v2'
 CONFIGS = {

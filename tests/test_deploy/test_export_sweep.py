@@ -1,4 +1,4 @@
-"""``tools/deployment/export_sweep.py`` (the per-family export record behind
+"""``dev/export_sweep.py`` (the per-family export record behind
 docs/reports/deploy_support.csv): it picks one config per family and model kind, the smallest
 arch, and shrinks the backbone with necks and heads following its channels."""
 import os.path as osp
@@ -7,7 +7,7 @@ import sys
 from mmengine.config import Config
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-sys.path.insert(0, osp.join(ROOT, 'tools', 'deployment'))
+sys.path.insert(0, osp.join(ROOT, 'dev'))
 import export_sweep  # noqa: E402
 
 

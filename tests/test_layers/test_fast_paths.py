@@ -1,6 +1,6 @@
 """Every fast path of the attention operators agrees with its reference path.
 
-Fast paths (see the benchmark in ``tools/analysis/benchmark.py``): the fused FLA kernel
+Fast paths (see the benchmark in ``benchmarks/benchmark.py``): the fused FLA kernel
 (in place without autograd, folded normalisation), convolutions on tokens as
 channels-last views, SimA's folded
 L1 normalisation, QuadTree's inference gathers, and XCiT's fused LayerScale residual.
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flatten_mm.analysis.benchmark.profiling import saved_for_backward
+from benchmarks.core.profiling import saved_for_backward
 from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
                                       PVTMlp, QuadTreeAttention, ShiftedWindowAttention,
                                       nchw_to_nlc, nlc_to_nchw)

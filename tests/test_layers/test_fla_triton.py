@@ -560,7 +560,7 @@ def test_custom_op_registration():
 def test_dynamo_sees_one_node():
     """``torch.compile`` captures the kernels as the single ``flatten_mm::fla_core`` node,
     without graph break (the interpreter cannot run inductor / AOT tracing of Triton
-    kernels on CPU; ``tools/analysis/gpu_kernel_check.py`` compiles them on CUDA)."""
+    kernels on CPU; ``benchmarks/gpu_kernel_check.py`` compiles them on CUDA)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -610,7 +610,7 @@ def _load_tool():
     import importlib.util
     import os.path as osp
     path = osp.join(osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))),
-                    'tools', 'analysis', 'gpu_kernel_check.py')
+                    'benchmarks', 'gpu_kernel_check.py')
     spec = importlib.util.spec_from_file_location('gpu_kernel_check', path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

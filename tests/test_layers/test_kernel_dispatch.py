@@ -507,7 +507,7 @@ CI_ROWS = (r'^_(fla_\w+|focus_bwd)\|bfloat16\|(ieee|-)\|BD(32|-)\|BN64\|BC32\|'
 
 
 def test_limit_table_is_reproducible_and_flags_what_does_not_fit():
-    """``tools/analysis/kernel_limits.py --check`` compiles (Triton's bundled compiler and
+    """``dev/kernel_limits.py --check`` compiles (Triton's bundled compiler and
     ptxas, no GPU, no interpreter) the kernels of two shipped backbones' stages and FLA's
     largest configuration for sm_75 and sm_90: every kernel compiles, the shared memory
     equals the committed table's, the shipped stages fit both targets, and head dim 128's
@@ -516,7 +516,7 @@ def test_limit_table_is_reproducible_and_flags_what_does_not_fit():
     import subprocess
     import sys
     res = subprocess.run(
-        [sys.executable, 'tools/analysis/kernel_limits.py', '--archs', '75,90', '--check',
+        [sys.executable, 'dev/kernel_limits.py', '--archs', '75,90', '--check',
          '--match', CI_ROWS], cwd=ROOT, env=_compiled_env(), capture_output=True, text=True,
         timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -563,7 +563,7 @@ def test_gpu_check_tool_safety_checks_run_interpreted(auto_on_cpu):
     import importlib.util
     import os.path as osp
     spec = importlib.util.spec_from_file_location(
-        'gpu_kernel_check', osp.join(ROOT, 'tools', 'analysis', 'gpu_kernel_check.py'))
+        'gpu_kernel_check', osp.join(ROOT, 'benchmarks', 'gpu_kernel_check.py'))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     args = tool.parse_args(['--out', 'unused', '--kernels', 'fla', '--safety', '--no-timing'])

@@ -19,7 +19,7 @@ from conftest import import_interpreted
 
 # (the kernels need Triton: fail, never skip, without it)
 _, qt = import_interpreted('triton', 'flatten_mm.models.ops.quadtree_triton')
-from flatten_mm.analysis.benchmark.profiling import saved_for_backward  # noqa: E402
+from benchmarks.core.profiling import saved_for_backward  # noqa: E402
 from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
 from flatten_mm.models.ops import dispatch  # noqa: E402
@@ -730,7 +730,7 @@ def test_module_compiles_to_one_graph_with_the_ops(attn_type):
 def _load_tool():
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))), 'tools', 'analysis', 'gpu_kernel_check.py')
+        __file__)))), 'benchmarks', 'gpu_kernel_check.py')
     spec = importlib.util.spec_from_file_location('gpu_kernel_check', path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

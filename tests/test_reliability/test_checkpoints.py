@@ -3,8 +3,8 @@ malicious; and tools that never overwrite a user's file silently.
 
 Three read paths are covered: ``tools/convert_checkpoint.py`` (foreign files,
 ``load_foreign_checkpoint``), a backbone's ``init_cfg=dict(type='Pretrained')``
-(``flatten_mm.utils.pretrained``) and the runner's ``resume`` / ``load_from``
-(mmengine's loader, replaced by ``flatten_mm.utils.mmengine_compat``).
+(``flatten_mm.models.pretrained``) and the runner's ``resume`` / ``load_from``
+(mmengine's loader, replaced by ``flatten_mm.compat``).
 """
 import argparse
 import os
@@ -21,8 +21,8 @@ from reliability_report import describe, record
 
 from conftest import KEY_LISTINGS_DIR, REPO_ROOT, load_key_listing
 
-from flatten_mm.utils import CheckpointError, load_foreign_checkpoint
-from flatten_mm.utils.mmengine_compat import load_local_checkpoint
+from flatten_mm.checkpoints import CheckpointError, load_foreign_checkpoint
+from flatten_mm.compat import load_local_checkpoint
 
 NAMES = registered_backbones()
 sys.path.insert(0, osp.join(REPO_ROOT, 'tools'))
@@ -129,13 +129,13 @@ def official_keys_only(listing: str) -> dict:
 
 
 def test_official_family_table_covers_every_converter():
-    from flatten_mm.converters import CONVERTERS
+    from flatten_mm.checkpoints.converters import CONVERTERS
     assert set(OFFICIAL) == set(CONVERTERS), 'add an official key listing for the new family'
 
 
 @pytest.mark.parametrize('family', sorted(OFFICIAL))
 def test_unconverted_official_checkpoint_is_refused(family, tmp_path):
-    from flatten_mm.converters import BACKBONES
+    from flatten_mm.checkpoints.converters import BACKBONES
     name = BACKBONES[family]
     path = str(tmp_path / 'official.pth')
     torch.save({'model': official_keys_only(OFFICIAL[family]),
@@ -152,7 +152,7 @@ def test_unconverted_official_checkpoint_is_refused(family, tmp_path):
 
 def test_converter_names_the_family_a_checkpoint_looks_like(tmp_path, capsys):
     import convert_checkpoint
-    from flatten_mm.utils.convert import ConversionError, convert_checkpoint as convert
+    from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint as convert
     official = load_key_listing('sima_nano_12_p16')
     with pytest.raises(ConversionError) as err:
         convert({'model': official}, family='flatten_pvt_v2', arch='b0')

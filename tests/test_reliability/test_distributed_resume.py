@@ -125,7 +125,7 @@ class Run:
             return {r['iter']: r['loss'] for r in map(json.loads, f)}
 
     def weights(self, it: int) -> dict:
-        from flatten_mm.utils.mmengine_compat import load_local_checkpoint
+        from flatten_mm.compat import load_local_checkpoint
         return load_local_checkpoint(osp.join(self.work, f'iter_{it}.pth'))['state_dict']
 
     def val_metrics(self) -> dict:
@@ -242,7 +242,7 @@ def test_runner_checkpoints_need_the_loader_fix_and_load_without_full_unpickling
     from mmengine.runner.checkpoint import CheckpointLoader, load_from_local
 
     import flatten_mm.models  # noqa: F401  (installs the loader, as custom_imports do)
-    from flatten_mm.utils.mmengine_compat import load_local_checkpoint
+    from flatten_mm.compat import load_local_checkpoint
     path = osp.join(single.work, f'iter_{CKPT_EVERY}.pth')
     with pytest.raises(pickle.UnpicklingError):
         load_from_local(path, map_location='cpu')  # mmengine's loader, unpatched
@@ -273,7 +273,7 @@ def test_sync_bn_is_replaced_for_cpu_multi_process_runs(monkeypatch):
     import torch.distributed as dist
     from mmengine.config import Config
 
-    from flatten_mm.utils.mmengine_compat import setup_cpu_distributed
+    from flatten_mm.compat import setup_cpu_distributed
     cfg = Config.fromfile(SEG)
     assert cfg.model.decode_head.norm_cfg.type == 'SyncBN'
     cfg.launcher = 'none'
@@ -312,7 +312,7 @@ def test_cpu_ddp_wrapper_reverts_a_backbone_default_sync_bn(tmp_path):
     from mmengine.registry import MODEL_WRAPPERS
 
     from backbone_specs import build
-    from flatten_mm.utils.mmengine_compat import _register_cpu_ddp
+    from flatten_mm.compat import _register_cpu_ddp
     if dist.is_initialized():
         pytest.fail('a process group is already initialised in this test process')
     dist.init_process_group('gloo', init_method=f'file://{tmp_path}/store', rank=0,

@@ -34,7 +34,7 @@ from conftest import REPO_ROOT
 pytest.importorskip('mmdet')
 pytest.importorskip('mmseg')
 
-from flatten_mm.analysis.swap_smoke import synthetic_batch  # noqa: E402
+from flatten_mm.swap.smoke import synthetic_batch  # noqa: E402
 
 CONFIG_ROOT = osp.join(REPO_ROOT, 'configs')
 CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_ROOT, '**', '*.py'), recursive=True)
@@ -103,7 +103,7 @@ def build_tiny(path):
     from mmengine.config import Config
     from mmengine.model import revert_sync_batchnorm
 
-    from flatten_mm.analysis.forward import build_model
+    from flatten_mm.apis.forward import build_model
     from flatten_mm.registry import MODELS
     cfg = Config.fromfile(path)
     cfg.model.backbone = tiny_backbone(cfg.model.backbone)

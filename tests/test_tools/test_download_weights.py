@@ -1,4 +1,4 @@
-"""tools/download_weights.py and the catalogue of official releases (flatten_mm.zoo):
+"""tools/download_weights.py and the catalogue of official releases (flatten_mm.models.zoo):
 download (file:// URLs only, never the network), resume, SHA-256 record and check,
 conversion to the configs' paths, --from-file, --list; and the message a config gets
 when its pretrained file is missing (variants without official weights say so)."""
@@ -20,8 +20,8 @@ from official_layouts import to_official_pvt_keys, write_official
 sys.path.insert(0, osp.join(REPO_ROOT, 'tools'))
 import download_weights  # noqa: E402
 
-from flatten_mm import zoo  # noqa: E402
-from flatten_mm.analysis.catalogue import backbone_catalogue, get_backbone_spec  # noqa: E402
+from flatten_mm.models import zoo  # noqa: E402
+from flatten_mm.models.catalogue import backbone_catalogue, get_backbone_spec  # noqa: E402
 
 
 def official_imagenet_file(path, arch='b0'):
@@ -54,7 +54,7 @@ def test_download_converts_to_the_configs_path_and_records_sha(file_url_zoo, tmp
     assert download_weights.main(['quadtree-b-pvt-v2-b0', '--dir', str(out_dir)]) == 0
     dst = out_dir / 'quadtree-b-pvt-v2-b0_in1k.pth'
     # loads through init_cfg Pretrained (checked loading) and holds the source weights
-    from flatten_mm.utils.pretrained import load_pretrained
+    from flatten_mm.models.pretrained import load_pretrained
     target = get_backbone_spec('quadtree-b-pvt-v2-b0').build()
     load_pretrained(target, dict(type='Pretrained', checkpoint=str(dst)))
     for k, v in model.state_dict().items():
@@ -104,7 +104,7 @@ def test_interrupted_download_resumes(file_url_zoo, tmp_path, capsys):
 def test_from_file_whole_model(tmp_path, capsys):
     """An official-layout RetinaNet file converted offline for its config."""
     pytest.importorskip('mmdet')
-    from flatten_mm.utils.whole_model import build_config_model
+    from flatten_mm.apis.whole_model import build_config_model
     name = 'retinanet_quadtree-b-pvt-v2-b0_fpn_1x_coco'
     model = build_config_model(osp.join(REPO_ROOT, zoo.get_official_weights(name).config))
     src = tmp_path / 'b0.pth'
@@ -207,7 +207,7 @@ def test_missing_pretrained_file_says_what_exists(ckpt, config, tmp_path, monkey
 
 
 def test_missing_file_of_a_custom_name_is_identified_by_the_backbone(tmp_path):
-    from flatten_mm.utils.pretrained import load_pretrained
+    from flatten_mm.models.pretrained import load_pretrained
     model = get_backbone_spec('sima-xcit-s12-p8').build()
     with pytest.raises(FileNotFoundError, match=r'mine\.pth not found: no official ImageNet '
                        r'weights were released for SimA-XCiT-s12-p8'):

@@ -17,7 +17,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
 
 import torch  # noqa: E402
 
-from flatten_mm.analysis.catalogue import get_backbone_spec  # noqa: E402
+from flatten_mm.models.catalogue import get_backbone_spec  # noqa: E402
 from flatten_mm.analysis.flops import (count_flops, count_params, format_report,  # noqa: E402
                                        model_complexity)
 

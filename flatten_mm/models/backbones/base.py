@@ -1,16 +1,17 @@
 """Shared pieces of the dense backbones: arch tables, argument checks, per-stage attention
 configs, freezing, and the plumbing of the doubling-width four-stage backbones."""
 import copy
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
-                    Sequence, Tuple, Union)
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
 from mmengine.model import BaseModule
-from mmengine.model.weight_init import trunc_normal_
+from mmengine.model.weight_init import (PretrainedInit, _initialize_override, initialize,
+                                        trunc_normal_)
 
-from ...utils.pretrained import load_pretrained
+from ..pretrained import load_pretrained
 
 
 def resolve_arch(arch: Union[str, dict], arch_zoo: Dict[str, dict],
@@ -86,7 +87,6 @@ def expand_per_stage(cfg, num_stages: int, name: str) -> list:
 
 def is_pretrained_cfg(cfg: Mapping) -> bool:
     """Whether an init config is mmengine's ``Pretrained`` (by name or class)."""
-    from mmengine.model.weight_init import PretrainedInit
     return cfg.get('type') == 'Pretrained' or cfg.get('type') is PretrainedInit
 
 
@@ -156,7 +156,6 @@ def init_weights_or_load(model: nn.Module, init_cfg, conv_fan_out: bool = False,
     Returns:
         Whether a checkpoint was loaded.
     """
-    from mmengine.model.weight_init import _initialize_override, initialize
     others, pretrained = split_init_cfg(init_cfg, type(model).__name__)
     transformer_init(model, conv_fan_out)
     if default_init is not None:

@@ -6,6 +6,7 @@ and the constructor arguments ``embed_dims, num_heads, qkv_bias, attn_drop, proj
 backbones use for their per-stage ``attn_cfg``.
 """
 import copy
+import inspect
 from typing import Callable, Dict, Optional, Type, Union
 
 import torch.nn as nn
@@ -19,10 +20,10 @@ from .pos_embed import resize_pos_table
 from .quadtree_attention import QuadTreeAttention
 from .shape import nchw_to_nlc, nlc_to_nchw
 from .sima_attention import SimAAttention
-from .xcit_layers import LPI, ConvPatchEmbed, FourierPositionalEncoding
 from .softmax_attention import SpatialReductionAttention
 from .transformer_block import PreNormBlock
 from .window_attention import ShiftedWindowAttention
+from .xcit_layers import LPI, ConvPatchEmbed, FourierPositionalEncoding
 
 ATTENTIONS: Dict[str, Type[nn.Module]] = {}
 
@@ -50,7 +51,6 @@ def build_attention(cfg: Union[dict, Callable], **defaults) -> nn.Module:
             ``attn_drop`` only to operators with attention dropout (see
             ``has_attention_dropout``).
     """
-    import inspect
     cfg = copy.deepcopy(dict(cfg))
     if 'type' not in cfg:
         raise ValueError(f'attention config needs a "type": {cfg}')

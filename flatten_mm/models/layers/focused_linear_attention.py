@@ -42,7 +42,7 @@ from .window import (crop_padding, effective_shift, pad_to_multiple, window_part
 def _kernels():
     """The Triton kernel module (imported only once ``ops.dispatch`` said it imports; a
     plain import, which ``torch.compile`` traces without a graph break)."""
-    from ..ops import fla_triton
+    from ..ops import fla_triton  # late: imports triton, only after the dispatch said it imports
     return fla_triton
 
 
@@ -411,7 +411,7 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
         pretraining grid (e.g. a 384 fine-tuned checkpoint) to this module's
         ``pe_hw_shape`` (bicubic, as FLatten's own 224 -> 384 loader does; see
         ``resize_loaded_pos_table``). Called before loading (``_load_from_state_dict``,
-        and by ``flatten_mm.utils.pretrained`` before its checks). Returns the
+        and by ``flatten_mm.models.pretrained`` before its checks). Returns the
         ``(key, old shape, new shape)`` of each resized table."""
         done = resize_loaded_pos_table(state_dict, prefix + 'positional_encoding',
                                        self.positional_encoding, self.pe_hw_shape, 'bicubic')

@@ -136,7 +136,7 @@ class _GatheredMatmul(torch.autograd.Function):
 def _kernels():
     """The Triton kernel module (imported only once ``ops.dispatch`` said it imports; a
     plain import, which ``torch.compile`` traces without a graph break)."""
-    from ..ops import quadtree_triton
+    from ..ops import quadtree_triton  # late: imports triton, only after the dispatch said it imports
     return quadtree_triton
 
 

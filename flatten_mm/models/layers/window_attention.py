@@ -82,7 +82,7 @@ class ShiftedWindowAttention(nn.Module):
         size (``((2w'-1)^2, h)``, e.g. 7 -> 12 for a 384 model) bicubically to this
         module's ``((2w-1)^2, h)``, as Swin's fine-tuning loaders do. Tables with other
         heads are left alone. Called before loading (``_load_from_state_dict``, and by
-        ``flatten_mm.utils.pretrained`` before its checks). Returns the
+        ``flatten_mm.models.pretrained`` before its checks). Returns the
         ``(key, old shape, new shape)`` of each resized table."""
         key = prefix + 'relative_position_bias_table'
         table = state_dict.get(key)

@@ -447,7 +447,7 @@ def aot_specs(channels: int, num_heads: int, focusing_factor: int, dtype: torch.
     """What the launches of one call compile: ``(name, kernel, signature, constexprs,
     options)`` per kernel, for ahead-of-time compilation without a GPU
     (``triton.compile(ASTSource(kernel, signature, constexprs), target, options)``, see
-    tools/analysis/kernel_limits.py). Needs the kernels compiled, not interpreted."""
+    dev/kernel_limits.py). Needs the kernels compiled, not interpreted."""
     if INTERPRETED:
         raise RuntimeError('aot_specs needs the compiled kernels (TRITON_INTERPRET unset)')
     io = {torch.float32: '*fp32', torch.bfloat16: '*bf16', torch.float16: '*fp16'}[dtype]

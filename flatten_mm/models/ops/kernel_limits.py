@@ -3,7 +3,7 @@
 ``kernel_limits.json`` (beside this file) holds, for every kernel specialisation the
 dispatch can launch (rows named by the kernel modules' ``limit_key``), the shared memory
 per block that Triton's compiler allocates for it on each target (compiled without a GPU by
-``tools/analysis/kernel_limits.py``, which also writes the readable table
+``dev/kernel_limits.py``, which also writes the readable table
 ``docs/benchmarks/kernel_limits.md``). The dispatch compares it with the device's
 ``shared_memory_per_block_optin`` before a kernel's first use.
 """

@@ -77,7 +77,7 @@ def use_cpu_kernels(flag: bool) -> Iterator[None]:
 
 def _build() -> None:
     global _loaded, _error
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # late: it imports setuptools; only a build needs it
     isa = _isa_flags()
     with open(_SOURCE, 'rb') as f:
         digest = hashlib.sha1(f.read() + ' '.join(isa).encode()).hexdigest()[:10]

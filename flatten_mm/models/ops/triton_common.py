@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dispatch
+from . import dispatch, kernel_limits
 
 #: whether kernels decorated now are interpreted (Triton reads ``TRITON_INTERPRET`` when a
 #: kernel is decorated, i.e. when its module is imported): then they run on CPU tensors
@@ -57,7 +57,6 @@ def shared_memory_problem(family: str, keys: Callable[[], Iterable[str]],
     fit, off CUDA, or where the table does not know them: the first-use check decides)."""
     if device.type != 'cuda':
         return None
-    from . import kernel_limits
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, 'shared_memory_per_block_optin', 0) or props.shared_memory_per_block
     for key in keys():
