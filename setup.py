@@ -70,9 +70,10 @@ setup(
     if osp.exists(osp.join(osp.dirname(__file__), 'README.md')) else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['flatten_mm', 'flatten_mm.*']),
-    # C++ source of the optional CPU kernel, compiled on first use (ops/quadtree_cpu.py)
+    # C++ source of the optional CPU kernel, compiled on first use (ops/quadtree_cpu.py),
+    # and the Triton kernels' shared-memory limit table the dispatch reads (kernel_limits.py)
     package_data={
-        'flatten_mm.models.ops': ['csrc/*.cpp'],
+        'flatten_mm.models.ops': ['csrc/*.cpp', 'kernel_limits.json'],
         # the mim extension (add_mim_extension above)
         'flatten_mm': ['.mim/model-index.yml', '.mim/configs/**/*.py', '.mim/configs/**/*.yml',
                        '.mim/configs/**/*.md', '.mim/tools/**/*.py', '.mim/tools/**/*.sh'],

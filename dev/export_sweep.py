@@ -13,9 +13,7 @@ config of each kind (``mask-rcnn``, ``cascade-mask-rcnn``, ``retinanet``, ``fpn`
 ``upernet``).
 """
 import argparse
-import csv
 import glob
-import os
 import os.path as osp
 import re
 import sys
@@ -26,6 +24,8 @@ import traceback
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, osp.join(ROOT, 'tests', 'test_reliability'))
+
+from dev.sweeps.table import upsert_rows, write_table  # noqa: E402
 
 KINDS = ('cascade-mask-rcnn', 'mask-rcnn', 'retinanet', 'fpn', 'upernet')
 FIELDS = ['config', 'kind', 'backbone', 'export_hw', 'dynamic', 'static_reason', 'outputs',
@@ -138,17 +138,10 @@ def main(argv=None):
             print(f"{row['status']:8s} {rel} {row.get('dynamic', '')} "
                   f"{row.get('worst_rel_diff', '')} {row.get('export_s', '')}s "
                   f"{row.get('error', '')}", flush=True)
-    if args.update and osp.exists(args.out):
-        with open(args.out, newline='') as f:
-            old = {r['config']: r for r in csv.DictReader(f)}
-        old.update({r['config']: r for r in rows})
-        rows = [old[k] for k in sorted(old)]
-    os.makedirs(osp.dirname(osp.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w', newline='') as f:
-        w = csv.DictWriter(f, FIELDS)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: row.get(k, '') for k in FIELDS})
+    if args.update:
+        rows = upsert_rows(args.out, FIELDS, rows, key=('config', ))
+        rows = sorted(rows, key=lambda r: r['config'])
+    write_table(args.out, FIELDS, rows)
     print(f'wrote {args.out}: {sum(r["status"] == "ok" for r in rows)}/{len(rows)} ok')
     return 0 if all(r['status'] == 'ok' for r in rows) else 1
 

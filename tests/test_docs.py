@@ -545,6 +545,47 @@ def test_installed_package_carries_the_mim_files(installed_copy):
     assert osp.isfile(osp.join(mim_dir, 'tools', 'train.py'))
 
 
+def test_installed_package_has_its_data_and_no_developer_tooling(installed_copy):
+    """`pip install .` carries the files the models read at run time (the CPU kernel's
+    source, the Triton kernels' limit table) and nothing of benchmarks/ or dev/."""
+    ops = osp.join(installed_copy, 'flatten_mm', 'models', 'ops')
+    assert osp.isfile(osp.join(ops, 'kernel_limits.json'))
+    assert osp.isfile(osp.join(ops, 'csrc', 'quadtree_cpu.cpp'))
+    installed = [osp.relpath(osp.join(d, f), installed_copy)
+                 for d, _, files in os.walk(installed_copy) for f in files]
+    dev_names = ('benchmark', 'parity', 'sweep', 'gpu_kernel_check', 'gpu_session',
+                 'flops_table', 'check_parity')
+    assert not [p for p in installed if any(n in p for n in dev_names)]
+
+
+def test_shipped_tools_run_from_the_installed_package(installed_copy):
+    """Every Python tool mim ships (`flatten_mm/.mim/tools`) starts (`--help`) with only
+    the installed package on the path: no tool imports benchmarks/, dev/ or tests/."""
+    tools = osp.join(installed_copy, 'flatten_mm', '.mim', 'tools')
+    scripts = sorted(osp.join(d, f) for d, _, files in os.walk(tools) for f in files
+                     if f.endswith('.py'))
+    assert len(scripts) >= 8
+    code = textwrap.dedent('''\
+        import runpy, sys
+        failed = []
+        for path in sys.argv[1:]:
+            sys.argv = [path, '--help']
+            try:
+                runpy.run_path(path, run_name='__main__')
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    failed.append(path)
+            except Exception as e:
+                failed.append(f'{path}: {type(e).__name__}: {e}')
+        print('FAILED', failed)
+        sys.exit(1 if failed else 0)
+        ''')
+    env = dict(os.environ, PYTHONPATH=installed_copy, PYTHONWARNINGS='ignore')
+    proc = subprocess.run([PYTHON, '-c', code] + scripts, capture_output=True, text=True,
+                          timeout=600, env=env, cwd=installed_copy)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_mim_search_lists_every_config(installed_copy):
     env = dict(os.environ, PYTHONPATH=installed_copy, PYTHONWARNINGS='ignore')
     code = textwrap.dedent('''\

@@ -15,7 +15,6 @@ Results are appended to a CSV (one row per family, so an interrupted sweep resum
 rendered as a Markdown table (``render_markdown``).
 """
 import contextlib
-import csv
 import math
 import os
 import os.path as osp
@@ -28,6 +27,8 @@ from typing import Iterator, List, Optional, Tuple
 from mmengine.config import Config
 
 from flatten_mm.swap.measure import SwapError
+
+from .table import read_table, upsert_rows
 
 #: the columns of the sweep table
 COLUMNS = ('scope', 'family', 'config', 'status', 'reason', 'size', 'forward', 'train_smoke',
@@ -299,29 +300,12 @@ def check_adapted(row, cfg: Config, src: str, size: int = 128, train: bool = Tru
 
 
 def read_rows(csv_path: str) -> List[SweepRow]:
-    if not osp.isfile(csv_path):
-        return []
-    with open(csv_path, newline='', encoding='utf-8') as f:
-        return [SweepRow(**{k: r.get(k) or '' for k in COLUMNS}) for r in csv.DictReader(f)]
-
-
-def write_rows(csv_path: str, columns: List[str], rows) -> None:
-    """Rewrite ``csv_path`` with the dataclass ``rows`` atomically (a temporary file
-    replaced in one step, so a stopped sweep never leaves half a CSV)."""
-    os.makedirs(osp.dirname(osp.abspath(csv_path)), exist_ok=True)
-    tmp = f'{csv_path}.tmp{os.getpid()}'
-    with open(tmp, 'w', newline='', encoding='utf-8') as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        for r in rows:
-            w.writerow(asdict(r))
-    os.replace(tmp, csv_path)
+    return [SweepRow(**r) for r in read_table(csv_path, COLUMNS)]
 
 
 def append_row(csv_path: str, row: SweepRow) -> None:
     """Add ``row`` (replacing an earlier row of the same family) and rewrite the CSV."""
-    rows = [r for r in read_rows(csv_path) if (r.scope, r.family) != (row.scope, row.family)]
-    write_rows(csv_path, COLUMNS, rows + [row])
+    upsert_rows(csv_path, COLUMNS, [asdict(row)], key=('scope', 'family'))
 
 
 def _md_cell(text: str) -> str:

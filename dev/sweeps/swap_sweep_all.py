@@ -33,21 +33,21 @@ with per-family counts and every refusal and failure with its reason
 """
 import contextlib
 import copy
-import csv
 import hashlib
 import json
 import os
 import os.path as osp
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from mmengine.config import Config
 
 from flatten_mm.swap.measure import SwapError
 from .swap_sweep import (_family_files, _md_cell, _missing_package, _one_line, _time_limit,
-                         _type_name, configs_root, write_rows)
+                         _type_name, configs_root)
+from .table import read_table, upsert_rows
 
 #: the columns of the every-config table
 ALL_COLUMNS = ('scope', 'family', 'config', 'status', 'reason', 'build', 'build_error',
@@ -420,19 +420,13 @@ def runs_by_key(rows: Iterable[ConfigRow]) -> Dict[str, ConfigRow]:
 # ------------------------------------------------------------------------------ CSV / MD
 def read_all_rows(csv_path: str) -> List[ConfigRow]:
     """Rows of an every-config CSV (``[]`` when it does not exist)."""
-    if not osp.isfile(csv_path):
-        return []
-    with open(csv_path, newline='', encoding='utf-8') as f:
-        return [ConfigRow(**{k: r.get(k) or '' for k in ALL_COLUMNS})
-                for r in csv.DictReader(f)]
+    return [ConfigRow(**r) for r in read_table(csv_path, ALL_COLUMNS)]
 
 
 def append_all_row(csv_path: str, row: ConfigRow) -> None:
     """Add ``row`` (replacing an earlier row of the same scope and config) and rewrite
     the CSV atomically."""
-    rows = [r for r in read_all_rows(csv_path)
-            if (r.scope, r.config) != (row.scope, row.config)]
-    write_rows(csv_path, ALL_COLUMNS, rows + [row])
+    upsert_rows(csv_path, ALL_COLUMNS, [asdict(row)], key=('scope', 'config'))
 
 
 def status_counts(rows: List[ConfigRow]) -> dict:

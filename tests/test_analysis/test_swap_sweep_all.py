@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 def _cli():
     spec = importlib.util.spec_from_file_location(
-        'swap_sweep_cli', osp.join(REPO_ROOT, 'tools', 'analysis', 'swap_sweep.py'))
+        'swap_sweep_cli', osp.join(REPO_ROOT, 'dev', 'swap_sweep.py'))
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     return cli

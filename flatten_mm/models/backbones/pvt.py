@@ -11,7 +11,6 @@ Stage ``i`` (0-based) has stride ``4 * 2**i``. Its attention is built from
 ``pretrain_hw_shape`` (the stage grid at ``pretrain_img_size``) to operators that accept
 them. Any attention type may sit in any stage.
 """
-import copy
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -23,7 +22,7 @@ from mmengine.model.weight_init import trunc_normal_
 from timm.layers import DropPath
 
 from ...registry import MODELS
-from ..layers import PVTMlp, PVTPatchEmbed, build_attention, nchw_to_nlc, resize_pos_table
+from ..layers import PVTMlp, PVTPatchEmbed, build_attention, resize_pos_table
 from ..layers.pos_embed import resize_loaded_pos_table
 from .base import (StageFreezing, StridePyramidOutputs, check_frozen_stages, check_input,
                    check_out_indices, init_weights_or_load, merge_stage_cfgs, resolve_arch)
