@@ -49,7 +49,7 @@ from .ops import (OPS, QUADRATIC_OPS, make_op, op_exponents, quadtree_levels,
 from .output import (BACKBONE_COLUMNS, CSV_COLUMNS, OP_COLUMNS, RATIO_COLUMNS, SIMA_COLUMNS,
                      STEP_COLUMNS, STEP_RATIO_COLUMNS, format_table, markdown_ratio_table,
                      read_csv, write_csv)
-from .plots import plot_scaling
+from .plots import plot_scale, plot_scaling
 from .profiling import KERNEL_COLUMNS, PROFILE_COLUMNS, profile_backbone, run_profile
 from .syncs import backbone_host_syncs, host_syncs, training_step_syncs
 from .timing import Timing, fit_exponent, measure_alternating, peak_memory_bytes
@@ -65,7 +65,7 @@ __all__ = [
     'output_loss', 'profile_backbone', 'run_profile', 'backbone_host_syncs', 'host_syncs',
     'training_step_syncs', 'run_step_benchmark', 'run_whole_model_benchmark',
     'step_ratio_rows', 'whole_model_pairs',
-    'backbone_cases', 'check_fast_paths', 'compile_report', 'environment', 'fit_exponent',
+    'backbone_cases', 'plot_scale', 'check_fast_paths', 'compile_report', 'environment', 'fit_exponent',
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',
     'relu_linear_attention', 'run_backbone_benchmark', 'run_op_benchmark',

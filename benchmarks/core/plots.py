@@ -51,3 +51,49 @@ def plot_scaling(rows: Sequence[Dict[str, Any]], path: str, title: str = '') -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_scale(rows: Sequence[Dict[str, Any]], path: str, budget_gb: float = None,
+               title: str = '') -> bool:
+    """Two panels against the image side: peak memory and step time of every probe that
+    fitted (one line per backbone and checkpointing setting), with the budget drawn.
+    Returns ``False`` without matplotlib or rows."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fitted = [r for r in rows if str(r.get('fits')) in ('True', 'true', '1')]
+    if not fitted:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = plt.get_cmap('tab10').colors
+    names = sorted({r['name'] for r in fitted})
+    for c, name in enumerate(names):
+        for cp in (False, True):
+            pts = sorted((int(r['side']), float(r['peak_mem_mb']) / 1024, float(r['step_s']))
+                         for r in fitted
+                         if r['name'] == name and str(r['with_cp']) in (str(cp), str(int(cp))))
+            if not pts:
+                continue
+            style = dict(color=colors[c % 10], marker='o', ms=3,
+                         linestyle='--' if cp else '-')
+            label = name + (' (with_cp)' if cp else '')
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], label=label, **style)
+    if budget_gb:
+        axes[0].axhline(budget_gb, color='grey', linewidth=1)
+    for ax, ylabel in zip(axes, ('peak memory of the step (GiB)', 'step time (s)')):
+        ax.set_xlabel('image side (pixels, square, batch 1)')
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale('log')
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
