@@ -17,7 +17,6 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-
 from benchmarks import core as bm  # noqa: E402
 from benchmarks.core.scale import (SCALE_COLUMNS, run_scale_benchmark,  # noqa: E402
                                    scale_summary)

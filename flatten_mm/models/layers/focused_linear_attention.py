@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..ops import dispatch
 from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import depthwise_conv, repeat_depthwise, token_conv
+from .focused_linear_function import FocusedLinearCore
 from .kv_reduction import KVReductionMixin
 from .pos_embed import _is_compiling, resize_loaded_pos_table, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
@@ -137,23 +138,18 @@ def focused_linear_core_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return merge_heads(out).to(out_dtype)
 
 
-def _kernel_parts(x: torch.Tensor, inv_scale: torch.Tensor, p: int, inplace: bool,
+def _kernel_parts(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
                   owned: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``y = ((ReLU(x) + 1e-6) / softplus(scale))^p`` and the per-token factor
-    ``r = ||base|| / ||y||`` with ``phi_p(x) = r * y``.
-
-    With ``inplace`` (no autograd) one new buffer is written in place; ``owned`` says
-    that ``x`` itself is a temporary of the caller and may be overwritten."""
-    if inplace:
-        y = x.relu_() if owned else F.relu(x)
-        y.add_(1e-6).mul_(inv_scale)
-    else:
-        y = (F.relu(x) + 1e-6) * inv_scale
+    ``r = ||base|| / ||y||`` with ``phi_p(x) = r * y``, computed in place on one new
+    buffer (no autograd); ``owned`` says that ``x`` itself is a temporary of the caller
+    and may be overwritten."""
+    y = x.relu_() if owned else F.relu(x)
+    y.add_(1e-6).mul_(inv_scale)
     norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
-    y = y.pow_(p) if inplace else y**p
+    y = y.pow_(p)
     norm_p = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
-    r = norm.div_(norm_p) if inplace else norm / norm_p
-    return y, r
+    return y, norm.div_(norm_p)
 
 
 def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -210,7 +206,9 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: torch.Tensor, num_heads: int, focusing_factor: int,
                                k_pos: Optional[torch.Tensor],
                                residual: Optional[torch.Tensor]) -> torch.Tensor:
-    """The PyTorch path of ``focused_linear_core`` (the reference of the kernels)."""
+    """The PyTorch path of ``focused_linear_core`` (the reference of the kernels): under
+    autograd ``FocusedLinearCore``, which keeps only its inputs for the backward; without
+    it, in place on one buffer per side."""
     out_dtype = v.dtype
     B, N, C = q.shape
     n = k.shape[1]
@@ -221,17 +219,18 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         dt = torch.promote_types(v.dtype, torch.float32)
         tracked = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, scale, k_pos))
-        inplace = not tracked
+        if tracked:  # training: the backward recomputes the features instead of keeping them
+            out = FocusedLinearCore.apply(q, k, v, scale, k_pos, num_heads, focusing_factor)
+            return out if residual is None else out + residual.to(out_dtype)
         inv_scale = 1.0 / F.softplus(scale.to(dt))
         # ---- keys: phi(K), then K^T V / n and mean(phi(K)) per head
         kf = k.to(dt)
         if k_pos is not None:
             kf = kf + k_pos.to(dt)
         # kf is our own temporary when it is a sum or a cast copy
-        yk, rk = _kernel_parts(kf, inv_scale, focusing_factor, inplace,
-                               owned=kf is not k)
+        yk, rk = _kernel_parts(kf, inv_scale, focusing_factor, owned=kf is not k)
         del kf
-        phi_k = yk.mul_(rk) if inplace else yk * rk
+        phi_k = yk.mul_(rk)
         kh = phi_k.view(B, n, h, d).transpose(1, 2)  # (B, h, n, d)
         vh = v.to(dt).reshape(B, n, h, d).transpose(1, 2)
         kv = (kh.transpose(-2, -1) @ vh).div_(n)  # (B, h, d, d)
@@ -239,12 +238,12 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         del yk, phi_k, kh, vh
         # ---- queries: y(q) KV / (y(q) . mean + 1e-6 / r_q)
         qf = q.to(dt)
-        yq, rq = _kernel_parts(qf, inv_scale, focusing_factor, inplace, owned=qf is not q)
+        yq, rq = _kernel_parts(qf, inv_scale, focusing_factor, owned=qf is not q)
         del qf
         qh = yq.view(B, N, h, d).transpose(1, 2)  # (B, h, N, d)
         den = qh @ k_mean  # (B, h, N, 1)
         eps = (1e-6 / rq).view(B, 1, N, 1)
-        if not inplace or _is_compiling():  # (no out= under torch.compile)
+        if _is_compiling():  # (no out= under torch.compile)
             out = merge_heads((qh @ kv) / (den + eps))
         elif h == 1:
             out = (qh @ kv).div_(den.add_(eps)).view(B, N, C)

@@ -1,0 +1,169 @@
+"""The memory-lean training path of Focused Linear Attention (``FocusedLinearCore``,
+issue #35): the same outputs and gradients as the op-by-op formula, non-finite values
+handled as before, and only the inputs (plus ``d x d`` per head) kept for the backward."""
+import pytest
+import torch
+
+from flatten_mm.models.layers import focused_linear_attention as fla
+from flatten_mm.models.layers.focused_linear_attention import focused_linear_core_reference
+from flatten_mm.models.layers.focused_linear_function import (FocusedLinearCore,
+                                                              focused_linear_core_lean)
+from flatten_mm.registry import MODELS
+
+CASES = [  # (B, N, n, C, heads, p, with_pos)
+    (2, 30, 30, 16, 1, 3, True),
+    (1, 42, 20, 24, 3, 3, False),  # reduced keys (n != N)
+    (2, 35, 12, 32, 4, 2, True),
+    (1, 16, 16, 8, 2, 5, True),
+]
+
+
+def _inputs(B, N, n, C, with_pos, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, m, C, generator=g, dtype=dtype) for m in (N, n, n))
+    scale = 0.5 * torch.randn(1, 1, C, generator=g, dtype=dtype)
+    pos = torch.randn(1, n, C, generator=g, dtype=dtype) if with_pos else None
+    return [t.requires_grad_() for t in (q, k, v, scale, pos) if t is not None]
+
+
+def _reference(ins, h, p, with_pos):
+    q, k, v, scale = ins[:4]
+    return focused_linear_core_reference(q, k + ins[4] if with_pos else k, v, scale, h, p)
+
+
+@pytest.mark.parametrize('B,N,n,C,h,p,with_pos', CASES)
+def test_outputs_and_gradients_equal_the_formula_in_float64(B, N, n, C, h, p, with_pos):
+    ins = _inputs(B, N, n, C, with_pos)
+    out = focused_linear_core_lean(*ins[:4], h, p, k_pos=ins[4] if with_pos else None)
+    ref = _reference(ins, h, p, with_pos)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, ins, grad)
+    want = torch.autograd.grad(ref, ins, grad)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck():
+    ins = _inputs(1, 12, 9, 8, True)
+
+    def f(q, k, v, scale, pos):
+        return focused_linear_core_lean(q, k, v, scale, 2, 3, k_pos=pos)
+
+    assert torch.autograd.gradcheck(f, tuple(ins), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_float32_gradients_are_float32_rounding_of_the_float64_ones():
+    ins64 = _inputs(2, 300, 300, 64, True)
+    ins32 = [t.detach().float().requires_grad_() for t in ins64]
+    out = focused_linear_core_lean(*ins32[:4], 2, 3, k_pos=ins32[4])
+    ref = _reference(ins64, 2, 3, True)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, ins32, grad.float())
+    want = torch.autograd.grad(ref, ins64, grad)
+    assert out.dtype == torch.float32
+    # measured: 3e-7 (output) to 6e-7 (gradients) of the largest magnitude
+    for a, b in zip((out, *got), (ref, *want)):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() < 4e-6
+
+
+def _nonfinite_and_dead_tokens():
+    ins = [t.detach() for t in _inputs(2, 40, 40, 16, True, dtype=torch.float64)]
+    ins[0][0, 3, 5] = float('nan')  # a NaN query channel
+    ins[1][1, 7, 2] = float('inf')  # an infinite key channel
+    ins[0][1, 4] = -1.0  # a query token with every channel <= 0 (ReLU gives 1e-6 only)
+    ins[1][0, 6] = -2.0  # a key token likewise
+    return [t.requires_grad_() for t in ins]
+
+
+def test_non_finite_inputs_and_dead_tokens_as_the_formula():
+    """NaN / Inf reach the same outputs and gradients as the op-by-op computation, and a
+    token whose channels are all <= 0 (its ||y|| ~ 1e-18) keeps finite gradients."""
+    ins = _nonfinite_and_dead_tokens()
+    out = focused_linear_core_lean(*ins[:4], 2, 3, k_pos=ins[4])
+    got = torch.autograd.grad(out, ins, torch.ones_like(out))
+    ins_ref = [t.detach().clone().requires_grad_() for t in ins]
+    ref = _reference(ins_ref, 2, 3, True)
+    want = torch.autograd.grad(ref, ins_ref, torch.ones_like(ref))
+    for a, b in zip((out, *got), (ref, *want)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        ok = torch.isfinite(b)
+        torch.testing.assert_close(a[ok], b[ok], rtol=1e-9, atol=1e-12)
+    # the dead query token's gradient is finite in the batch without NaN / Inf keys
+    assert torch.isfinite(got[0][1, 4]).all() or not torch.isfinite(out[1]).all()
+
+
+def _saved_bytes(fn, *args):
+    total = []
+
+    def pack(t):
+        total.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(total)
+
+
+def test_keeps_its_inputs_and_no_features_for_the_backward():
+    """Saved for the backward: q, k, v, scale, the positional table and the per-head
+    (d x d) and (d x 1) sums -- nothing else of size N, however large N is."""
+    for N in (256, 1024):
+        ins = [t.detach().float().requires_grad_() for t in _inputs(2, N, N, 32, True)]
+        saved = _saved_bytes(lambda: focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4]))
+        inputs = sum(t.numel() * 4 for t in ins)
+        per_head = 2 * 4 * (8 * 8 + 8) * 4
+        assert saved == inputs + per_head, (N, saved, inputs)
+        formula = _saved_bytes(lambda: _reference(ins, 4, 3, True))
+        assert formula > 4 * inputs  # what the lean path avoids
+
+
+_PVT = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+            mlp_ratios=(2, 2, 2, 2))
+TINY = dict(FLattenPVT=_PVT, FLattenPVTv2=_PVT,
+            FLattenSwin=dict(embed_dims=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4)),
+            FLattenCSWin=dict(embed_dims=8, depths=(1, 2, 2, 1), num_heads=(2, 2, 4, 4)))
+
+
+def _tiny(cls_name, with_cp):
+    torch.manual_seed(0)
+    model = MODELS.get(cls_name)(arch=TINY[cls_name], with_cp=with_cp, drop_path_rate=0.)
+    return model.train()
+
+
+def _step(model, x):
+    outs = model(x)
+    loss = sum((o.float() * torch.linspace(0.5, 1.5, o.shape[1]).view(1, -1, 1, 1)).mean()
+               for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.grad is not None}
+
+
+def _op_by_op(q, k, v, scale, num_heads, focusing_factor, k_pos, residual):
+    out = focused_linear_core_reference(q, k if k_pos is None else k + k_pos, v, scale,
+                                        num_heads, focusing_factor)
+    return out if residual is None else out + residual.to(out.dtype)
+
+
+@pytest.mark.parametrize('with_cp', [False, True])
+@pytest.mark.parametrize('cls_name', sorted(TINY))
+def test_backbones_train_as_with_the_op_by_op_core(cls_name, with_cp, monkeypatch):
+    """A training step of every FLatten family, with and without ``with_cp``: outputs and
+    every parameter gradient as with the op-by-op core, within float32 rounding."""
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    calls = []
+    apply = FocusedLinearCore.apply
+    monkeypatch.setattr(FocusedLinearCore, 'apply',
+                        lambda *a: calls.append(1) or apply(*a))
+    outs, grads = _step(_tiny(cls_name, with_cp), x.clone().requires_grad_(with_cp))
+    assert calls  # the lean path ran
+    monkeypatch.setattr(fla, '_focused_linear_core_torch', _op_by_op)
+    ref_outs, ref_grads = _step(_tiny(cls_name, with_cp), x.clone().requires_grad_(with_cp))
+    assert grads.keys() == ref_grads.keys()
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name in grads:  # relative to the gradient's largest magnitude
+        err = (grads[name] - ref_grads[name]).abs().max() / ref_grads[name].abs().max()
+        assert err < 1e-4, (name, err.item())
