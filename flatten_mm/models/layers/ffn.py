@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.autograd_paths import autocast_operands, recorded_eagerly
+from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import token_conv
 
 
@@ -35,6 +36,48 @@ class _GELULinear(torch.autograd.Function):
         return dz, dw, db, None
 
 
+class _DWConvGELULinear(torch.autograd.Function):
+    """``fc2(gelu(dwconv(u)))`` on tokens whose backward recomputes the depth-wise conv and
+    the GELU from ``u`` instead of keeping ``dwconv(u)`` (the conv keeps ``u`` anyway): two
+    of the PVTv2 MLP's three hidden-size activations are not kept, for one depth-wise conv
+    and one GELU more in the backward. The backward runs the ops autograd would run
+    (``convolution_backward``, ``gelu_backward``, the ``mm`` and ``sum`` of the linear), so
+    outputs and gradients are those of the plain modules."""
+
+    @staticmethod
+    def _conv(u, hw_shape, weight, bias, padding):
+        img = tokens_as_map(u, hw_shape)
+        return map_as_tokens(F.conv2d(img, weight, bias, 1, padding, 1, img.shape[1]))
+
+    @staticmethod
+    def forward(ctx, u, hw_shape, conv_weight, conv_bias, padding, weight, bias,
+                approximate):
+        ctx.save_for_backward(u, conv_weight, conv_bias, weight)
+        ctx.args = (hw_shape, padding, bias is not None, approximate)
+        z = _DWConvGELULinear._conv(u, hw_shape, conv_weight, conv_bias, padding)
+        return F.linear(F.gelu(z, approximate=approximate), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        u, conv_weight, conv_bias, weight = ctx.saved_tensors
+        hw_shape, padding, has_bias, approximate = ctx.args
+        z = _DWConvGELULinear._conv(u, hw_shape, conv_weight, conv_bias, padding)
+        a = F.gelu(z, approximate=approximate)  # recomputed
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dw = g2.t().mm(a.reshape(-1, a.shape[-1]))
+        db = g2.sum(0) if has_bias else None
+        dz = torch.ops.aten.gelu_backward(grad.matmul(weight), z, approximate=approximate)
+        needs = ctx.needs_input_grad
+        img = tokens_as_map(u, hw_shape)
+        du, dcw, dcb = torch.ops.aten.convolution_backward(
+            tokens_as_map(dz, hw_shape), img, conv_weight,
+            None if conv_bias is None else list(conv_bias.shape), [1, 1], list(padding),
+            [1, 1], False, [0, 0], img.shape[1],
+            [needs[0], needs[2], conv_bias is not None and needs[3]])
+        du = None if du is None else map_as_tokens(du)
+        return du, None, dcw, dcb, None, dw, db, None
+
+
 class PVTMlp(nn.Module):
     """``fc1 -> [ReLU] -> [DWConv 3x3] -> GELU -> fc2`` on tokens.
 
@@ -49,11 +92,11 @@ class PVTMlp(nn.Module):
         dwconv: insert the 3x3 depth-wise conv (PVTv2).
         linear: ReLU after ``fc1`` (PVTv2-li).
         recompute_act: when autograd records the MLP (and the dropout after the activation
-            is inactive), the GELU's output is recomputed in the backward from its input
-            instead of kept for ``fc2``'s weight gradient (``_GELULinear``): the same
-            outputs and gradients, one of the MLP's three hidden-size activations less
-            per block (e.g. a quarter less activation memory of a PVTv2-b0 training step),
-            for one elementwise GELU pass more in the backward. ``False``: plain modules.
+            is inactive), the GELU's output -- and with ``dwconv`` the conv's output too --
+            is recomputed in the backward instead of kept (``_GELULinear``,
+            ``_DWConvGELULinear``): the same outputs and gradients with one (two with
+            ``dwconv``) of the MLP's three hidden-size activations not kept, for a GELU
+            (and a depth-wise conv) more in the backward. ``False``: plain modules.
     """
 
     def __init__(self, in_features: int, hidden_features: int, drop: float = 0.,
@@ -76,8 +119,26 @@ class PVTMlp(nn.Module):
                 and not (self.training and self.drop.p > 0)
                 and recorded_eagerly(x, *self.fc2.parameters()))
 
+    def _fuses_dwconv(self, x: torch.Tensor) -> bool:
+        """Whether ``_DWConvGELULinear`` runs: the activation is recomputed and the conv is
+        the 3x3 depth-wise, stride-1 one this module builds."""
+        c = self.dwconv
+        return (c is not None and c.groups == c.in_channels == c.out_channels
+                and c.stride == (1, 1) and c.dilation == (1, 1) and c.padding_mode == 'zeros'
+                and 2 * c.padding[0] + 1 == c.kernel_size[0]
+                and 2 * c.padding[1] + 1 == c.kernel_size[1]
+                and self._recomputes_act(x))
+
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         x = self.relu(self.fc1(x))
+        if self._fuses_dwconv(x):
+            # (cast as the conv and fc2 would be under autocast, then run without it)
+            x, cw, cb, w, b = autocast_operands(x, self.dwconv.weight, self.dwconv.bias,
+                                                self.fc2.weight, self.fc2.bias)
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                x = _DWConvGELULinear.apply(x, hw_shape, cw, cb, self.dwconv.padding, w, b,
+                                            self.act.approximate)
+            return self.drop(x)
         if self.dwconv is not None:
             x = token_conv(self.dwconv, x, hw_shape)  # channels-last view, no copies
         if self._recomputes_act(x):
