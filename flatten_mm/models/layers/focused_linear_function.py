@@ -49,7 +49,8 @@ def _features_backward(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
     db = b.pow(p - 1).mul_(p).mul_(dy - (dr_ny * (nb / ny)) * (y / ny))
     db += dr_ny * (b / nb)
     ds = (db * a).sum(dim=tuple(range(db.dim() - 1)), keepdim=True)
-    dx = db.mul_(inv_scale).masked_fill_(F.relu(x) <= 0, 0)
+    # ReLU's own backward: zero where x <= 0 (NaN passes), one fused pass
+    dx = torch.ops.aten.threshold_backward(db.mul_(inv_scale), x, 0)
     return dx, ds
 
 
