@@ -14,8 +14,9 @@ after the projections, over ``--sides`` (``N = s * s`` tokens) and ``--head-dims
 Backbone level: each flatten_mm backbone against its softmax counterpart (timm, and
 mmdet when installed) at ``--resolutions``. All cases of a group alternate in one
 process after warm-up; the tables give medians, minima, images/s and peak memory, the
-ratio table ours / baseline. ``--check`` compares every fast path with its reference
-path on ``--device`` (for GPUs, where CI does not run). ``--sima-grid`` checks SimA's automatic order against both
+ratio table ours / baseline. ``--check`` lists the ops of a training step and an inference
+forward that make the host wait for ``--device`` (fast paths against reference paths are
+tests: ``pytest -m cuda tests/test_layers/test_fast_paths.py``). ``--sima-grid`` checks SimA's automatic order against both
 fixed orders; ``--compile`` reports ``torch.compile`` graph breaks of every backbone
 (and compiles them with ``--compile-backend``).
 
@@ -66,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument('--sima-grid', action='store_true',
                    help='SimA automatic order vs both fixed orders on an (N, d) grid')
     p.add_argument('--check', action='store_true',
-                   help='fast paths vs reference paths on --device (relative max differences)')
+                   help='the ops of a training step / inference forward that make the host '
+                   'wait for --device (none expected)')
     p.add_argument('--compile', action='store_true',
                    help='torch.compile graph-break report of every backbone (small input)')
     p.add_argument('--compile-backend', default=None,
@@ -164,8 +166,10 @@ def main(argv=None) -> int:
 
     checks = None
     if args.check:
-        checks = bm.check_fast_paths(args.device)
-        print('\n## Fast paths vs reference paths (relative max difference)\n')
+        checks = dict(host_syncs=bm.backbone_host_syncs(torch.device(args.device)))
+        print('\n## Host syncs of a training step and an inference forward (none expected; '
+              'fast paths vs reference paths: pytest -m cuda tests/test_layers/'
+              'test_fast_paths.py)\n')
         for name, value in checks.items():
             print(f'- {name}: {json.dumps(value)}')
 

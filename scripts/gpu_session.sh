@@ -18,7 +18,8 @@
 #      device, dynamic shapes under torch.compile
 #   3. profile tables, FLatten-PVTv2-b0 / FLatten-Swin-T / QuadTree-B-b0 and
 #      their softmax counterparts, batch 8, 512², fp32 then bf16              ~40 s each
-#   4. fast paths vs reference paths (benchmark --check)                      ~20 s
+#   4. fast paths vs reference paths (pytest -m cuda tests/test_layers/        ~30 s
+#      test_fast_paths.py) and the host syncs (benchmark --check)
 #   5. step rows (forward + training step, eager, batch 8, 512² / 1024² /
 #      800x1344, all four pairs, 4 timed rounds): fp32 and bf16 with the kernels
 #      on, fp32 with FLATTEN_MM_TRITON=0 (bf16 off after step 6)             ~90 s each
@@ -184,7 +185,16 @@ for amp in "${AMPS[@]}"; do
         --csv "$OUT/profile_$amp.csv" --markdown "$OUT/profile_$amp.md"
 done
 
-# 4. fast paths vs reference paths on the device (TF32 off)
+# 4. fast paths vs reference paths on the device: the cuda-marked tests of the one
+#    fast-path harness (TF32 off; they skip without CUDA), then the ops that make the
+#    host wait for the device
+if [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import pytest' 2>/dev/null; then
+    step fast_paths 20 150 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
+        tests/test_layers/test_fast_paths.py --junitxml "$OUT/fast_paths.xml"
+else
+    say "SKIP fast_paths: pytest is not installed for $PYTHON"
+    printf '%s\tskipped_no_pytest\t0\n' fast_paths >> "$STATUS"
+fi
 step check 20 90 "$PYTHON" "${BENCH[@]}" --check --device "$DEVICE" --json "$OUT/check.json"
 
 # 5. forward + training-step rows, eager: kernels on (fp32, bf16), kernels off (fp32)

@@ -37,13 +37,13 @@ Everything is importable without mmdet; the backbones of this package need mmeng
 dicts (one per measured case), written as a table, a CSV / JSON (``output``) and a
 log-log PNG with the fitted scaling exponent of every op (``plots``). Modules:
 ``timing`` (protocol), ``ops``, ``cases`` (backbones and ratios), ``train``,
-``profiling``, ``syncs``, ``fastpath`` (fast path / compile / host-sync checks),
+``profiling``, ``syncs``, ``compilation`` (graph breaks), ``scale`` (largest image),
 ``output``, ``plots``, ``env``.
 """
 from .cases import (BACKBONE_PAIRS, RESOLUTIONS, BackboneCase, backbone_cases, quick_pairs,
                     ratio_rows, run_backbone_benchmark, tiny_backbones)
 from .env import environment
-from .fastpath import check_fast_paths, compile_report
+from .compilation import compile_report
 from .ops import (OPS, QUADRATIC_OPS, make_op, op_exponents, quadtree_levels,
                   relu_linear_attention, run_op_benchmark, run_sima_order_grid)
 from .output import (BACKBONE_COLUMNS, CSV_COLUMNS, OP_COLUMNS, RATIO_COLUMNS, SIMA_COLUMNS,
@@ -65,7 +65,7 @@ __all__ = [
     'output_loss', 'profile_backbone', 'run_profile', 'backbone_host_syncs', 'host_syncs',
     'training_step_syncs', 'run_step_benchmark', 'run_whole_model_benchmark',
     'step_ratio_rows', 'whole_model_pairs',
-    'backbone_cases', 'plot_scale', 'check_fast_paths', 'compile_report', 'environment', 'fit_exponent',
+    'backbone_cases', 'plot_scale', 'compile_report', 'environment', 'fit_exponent',
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',
     'relu_linear_attention', 'run_backbone_benchmark', 'run_op_benchmark',

@@ -1,4 +1,6 @@
-"""Every fast path of the attention operators agrees with its reference path.
+"""Every fast path of the attention operators agrees with its reference path (the one
+harness: on CPU here, and at realistic sizes on a GPU by the ``cuda``-marked tests at the
+end, which ``scripts/gpu_session.sh`` runs with ``pytest -m cuda``).
 
 Fast paths (see the benchmark in ``benchmarks/benchmark.py``): the fused FLA kernel
 (in place without autograd, folded normalisation), convolutions on tokens as
@@ -21,6 +23,7 @@ from flatten_mm.models.layers.focused_linear_attention import (depthwise_conv_he
                                                                focused_linear_core_reference)
 from flatten_mm.models.layers.quadtree_attention import gathered_messages, gathered_scores
 from flatten_mm.models.layers.sima_attention import sima_core, sima_core_reference
+from flatten_mm.models.ops.dispatch import TOLERANCES
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):
@@ -395,3 +398,96 @@ def test_quadtree_chunked_inference_core_equals_batched_autograd_core(
     slow = qt.quadtree_attention_core(*maps, heads, topks, attn_type, weight, lepes)
     torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
     assert set(recorded) == set(range(levels - 1))  # every used top-k reported a margin
+
+
+# ---------------------------------------------------------- on the GPU, at realistic sizes
+# ``scripts/gpu_session.sh`` runs these (``pytest -m cuda``); without CUDA they skip. TF32
+# is off (the fixture), so float32 paths are compared at float32 tolerances.
+on_cuda = [pytest.mark.cuda,
+           pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')]
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize('B,N,C,h', [(2, 4096, 64, 1), (1, 3136, 96, 3), (2, 784, 160, 5)])
+@pytest.mark.usefixtures('no_tf32')
+@pytest.mark.parametrize('_', [pytest.param(0, marks=on_cuda)])
+def test_fla_core_on_the_device_matches_the_float64_formula(B, N, C, h, _):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, N, C, generator=g) for _ in range(3))
+    pos, scale = torch.randn(1, N, C, generator=g), 0.5 * torch.randn(1, 1, C, generator=g)
+    ref = focused_linear_core_reference(q.double(), (k + pos).double(), v.double(),
+                                        scale.double(), h, 3)
+    dev = [t.cuda() for t in (q, k, v, scale, pos)]
+    with torch.no_grad():
+        fast = focused_linear_core(*dev[:4], h, 3, k_pos=dev[4])
+        half = focused_linear_core(*(t.bfloat16() for t in dev[:3]), dev[3], h, 3,
+                                   k_pos=dev[4])
+    leaf = dev[0].clone().requires_grad_(True)
+    grad_path = focused_linear_core(leaf, *dev[1:4], h, 3, k_pos=dev[4])
+    assert _rel(fast, ref) < TOLERANCES['float32']
+    assert _rel(grad_path.detach(), ref) < TOLERANCES['float32']
+    assert _rel(half, ref) < 4 * TOLERANCES['bfloat16']  # inputs rounded to bf16 too
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+@pytest.mark.usefixtures('no_tf32')
+@pytest.mark.parametrize('_', [pytest.param(0, marks=on_cuda)])
+def test_quadtree_on_the_device_matches_cpu_and_grad_mode(attn_type, _):
+    torch.manual_seed(0)
+    m = QuadTreeAttention(64, 2, attn_type=attn_type, num_levels=4, topk=32).eval()
+    x = torch.randn(2, 120 * 100, 64)
+    with torch.no_grad():
+        ref = m(x, (120, 100))
+        m.cuda()
+        fast = m(x.cuda(), (120, 100))
+    assert _rel(fast, ref) < TOLERANCES['float32']
+    assert _rel(m(x.cuda(), (120, 100)).detach(), fast) < TOLERANCES['float32']
+
+
+@pytest.mark.usefixtures('no_tf32')
+@pytest.mark.parametrize('_', [pytest.param(0, marks=on_cuda)])
+def test_sima_token_convs_and_caches_on_the_device(_):
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 4096, 3 * 8 * 48, device='cuda')
+    q, k, v = qkv.reshape(2, 4096, 3, 8, 48).permute(2, 0, 3, 1, 4).unbind(0)
+    for order in ('qk_first', 'kv_first'):
+        assert _rel(sima_core(q, k, v, order), sima_core_reference(q, k, v, order)) \
+            < TOLERANCES['float32']
+    conv = nn.Conv2d(96, 96, 3, padding=1, groups=96).cuda()
+    x = torch.randn(2, 64 * 48, 96, device='cuda')
+    with torch.no_grad():
+        assert _rel(token_conv(conv, x, (64, 48)),
+                    nchw_to_nlc(conv(nlc_to_nchw(x, (64, 48))))) < TOLERANCES['float32']
+    w = ShiftedWindowAttention(96, 3, window_size=7, shift=True).cuda().eval()
+    f = FocusedLinearAttention(32, 1, pretrain_hw_shape=(56, 56)).cuda().eval()
+    nn.init.normal_(f.positional_encoding)
+    y = torch.randn(1, 100 * 80, 32, device='cuda')
+    with torch.no_grad():  # the second call reads the cached bias / positional table
+        first_w, first_f = w(x[:, :60 * 45], (60, 45)), f(y, (100, 80))
+        assert torch.equal(w(x[:, :60 * 45], (60, 45)), first_w)
+        assert torch.equal(f(y, (100, 80)), first_f)
+
+
+@pytest.mark.parametrize('_', [pytest.param(0, marks=on_cuda)])
+@pytest.mark.usefixtures('no_tf32')
+def test_backbones_on_the_device_match_the_cpu(_):
+    from benchmarks.core.cases import tiny_backbones
+    for name, (model, hw) in tiny_backbones().items():
+        x = torch.randn(2, 3, *hw)
+        model.eval()
+        with torch.no_grad():
+            ref = model(x)
+            got = model.cuda()(x.cuda())
+        assert max(_rel(a, b) for a, b in zip(got, ref)) < TOLERANCES['float32'], name
