@@ -27,6 +27,7 @@ import os.path as osp
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -112,9 +113,8 @@ def _run_watched(cmd: List[str], budget_bytes: Optional[int], timeout_s: Optiona
             cap = budget_bytes + _MAPPING_HEADROOM
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    out_path, err_path = (osp.join(ROOT, f'.scale_{os.getpid()}_{k}.txt') for k in 'oe')
     killed = ''
-    with open(out_path, 'w') as out, open(err_path, 'w') as err:
+    with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=limit, cwd=ROOT,
                                 env=env)
         start = time.monotonic()
@@ -132,12 +132,9 @@ def _run_watched(cmd: List[str], budget_bytes: Optional[int], timeout_s: Optiona
                 break
             time.sleep(0.05)
         proc.returncode = os.waitstatus_to_exitcode(status)
-    with open(out_path) as f:
-        stdout = f.read()
-    with open(err_path) as f:
-        stderr = f.read()
-    os.remove(out_path)
-    os.remove(err_path)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     return dict(stdout=stdout, stderr=stderr, returncode=proc.returncode,
                 maxrss=usage.ru_maxrss * 1024, killed=killed)
 
