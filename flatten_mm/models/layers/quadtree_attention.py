@@ -51,9 +51,9 @@ Implementation notes:
   float64 / export path.
 """
 import contextlib
+import dataclasses
 import functools
 import math
-import warnings
 from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -472,199 +472,266 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
     Returns:
         ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
 
-    Without autograd (no input requires a gradient, or grad mode is off) the finer levels
-    run in chunks of parent rows and the levels are merged in place
-    (``_finer_level_inference``): the same numbers with a peak memory of about the output
-    plus the pyramids; with autograd the batched path below (custom-backward gathers).
-    Levels that run the Triton kernels take the batched path also without autograd (the
-    kernels gather in registers; the ``(N, 4K)`` scores are small next to the gathered rows
-    the chunked path would read).
+    The coarsest level is full softmax attention (``_coarsest_level``); each finer level
+    runs one of three paths (``_finer_level`` decides): without autograd and without the
+    Triton kernels, chunks of parent rows (``_level_in_chunks``: the C++ CPU kernel or
+    PyTorch; peak memory about the output plus the pyramids); the fused Triton level
+    (``_level_fused``: the final level, and B's other levels when training); otherwise the
+    batched gathers with their custom backward (``_level_batched``). ``_merge_levels`` then
+    adds the levels coarse to fine (in place without autograd).
     """
+    S = len(queries)
+    _check_pyramids(S, keys, values, topks, attn_type)
+    run = _CoreRun(num_heads, 1.0 / (queries[0].shape[1] // num_heads)**0.5, attn_type,
+                   topks, level_weights, lepes, margin_recorder, chunk_elements, use_triton,
+                   projections, _is_inference(queries, keys, values, lepes, level_weights),
+                   grid=tuple(queries[0].shape[-2:]))
+    q0, k0, v0 = (to_heads(t.float(), num_heads) for t in (queries[0], keys[0], values[0]))
+    if S == 1 and attn_type == 'B':
+        # plain softmax attention (no top-k): fused kernel, no L0 x L0 weights in memory
+        msg = F.scaled_dot_product_attention(q0, k0, v0, scale=run.temp)
+        if lepes is not None:
+            msg = msg + run.lepe(0)
+        return msg if level_weights is None else msg * level_weights[0]
+    messages = [_coarsest_level(run, q0, k0, v0, more_levels=S > 1)]
+    for i in range(1, S):
+        messages.append(_finer_level(run, i, queries[i], keys[i], values[i], i == S - 1))
+    return _merge_levels(run, messages, tuple(queries[0].shape[-2:]))
+
+
+def _check_pyramids(S: int, keys, values, topks, attn_type: str) -> None:
     if attn_type not in ('A', 'B'):
         raise ValueError(f"attn_type must be 'A' or 'B', got {attn_type!r}")
-    S = len(queries)
     if not len(keys) == len(values) == S:
         raise ValueError('queries, keys and values need the same number of levels')
     if len(topks) < max(1, S - 1):
         raise ValueError(f'{S} levels need {max(1, S - 1)} top-k values, got {tuple(topks)}')
-    h = num_heads
-    B, C, hc, wc = queries[0].shape
-    d = C // h
-    temp = 1.0 / d**0.5
 
-    # ---- coarsest level: full softmax attention
-    inference = not (torch.is_grad_enabled() and any(
+
+def _is_inference(queries, keys, values, lepes, level_weights) -> bool:
+    """No input of the core requires a gradient (or grad mode is off)."""
+    return not (torch.is_grad_enabled() and any(
         t.requires_grad for t in list(queries) + list(keys) + list(values)
         + list(lepes or []) + ([level_weights] if level_weights is not None else [])
         if isinstance(t, torch.Tensor)))
 
-    def lepe(i: int, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Level ``i``'s LePE map in heads, times ``scale`` if given (callables are lazy)."""
-        m = lepes[i]
-        if isinstance(m, LePEConv):
-            return to_heads(m(scale), h)
-        m = (m() if callable(m) else m).float()
-        return to_heads(m if scale is None else m * scale, h)
 
-    q0, k0, v0 = (to_heads(t.float(), h) for t in (queries[0], keys[0], values[0]))
-    if S == 1 and attn_type == 'B':
-        # plain softmax attention (no top-k): fused kernel, no L0 x L0 weights in memory
-        msg = F.scaled_dot_product_attention(q0, k0, v0, scale=temp)
-        if lepes is not None:
-            msg = msg + lepe(0)
-        return msg if level_weights is None else msg * level_weights[0]
-    attn = torch.softmax(temp * (q0 @ k0.transpose(-1, -2)), dim=-1)  # (B, h, L0, L0)
-    prev_idx = prev_score = None
-    if S > 1 or attn_type == 'A':
-        K0 = topks[0]
+@dataclasses.dataclass
+class _CoreRun:
+    """What one call of ``quadtree_attention_core`` carries from level to level: its
+    arguments, the coarser level's top-k (``prev_idx`` / ``prev_score``, raster order) and
+    grid, and which levels' messages already hold their LePE / level weight."""
+    h: int
+    temp: float
+    attn_type: str
+    topks: Sequence[int]
+    level_weights: Optional[torch.Tensor]
+    lepes: Optional[Sequence]
+    margin_recorder: Optional[MarginRecorder]
+    chunk_elements: int
+    use_triton: Optional[bool]
+    projections: Optional[Projections]
+    inference: bool
+    grid: Tuple[int, int] = (0, 0)
+    prev_idx: Optional[torch.Tensor] = None
+    prev_score: Optional[torch.Tensor] = None
+    lepe_added: set = dataclasses.field(default_factory=set)
+    weighted: set = dataclasses.field(default_factory=set)
+
+    def lepe(self, i: int, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Level ``i``'s LePE map in heads, times ``scale`` if given (callables are lazy)."""
+        m = self.lepes[i]
+        if isinstance(m, LePEConv):
+            return to_heads(m(scale), self.h)
+        m = (m() if callable(m) else m).float()
+        return to_heads(m if scale is None else m * scale, self.h)
+
+
+def _coarsest_level(run: _CoreRun, q0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                    more_levels: bool) -> torch.Tensor:
+    """Level 0: full softmax attention, and the top-k the next level refines (raster
+    order ``(B, h, L0, d)``)."""
+    attn = torch.softmax(run.temp * (q0 @ k0.transpose(-1, -2)), dim=-1)  # (B, h, L0, L0)
+    weights = attn
+    if more_levels or run.attn_type == 'A':
+        K0 = run.topks[0]
         if attn.shape[-1] < K0:
-            raise ValueError(f'the coarsest level has {hc}x{wc} = {hc * wc} tokens, fewer than '
-                             f'topk={K0}')
-        _record_margin(margin_recorder, 0, attn, K0)
+            raise ValueError(f'the coarsest level has {run.grid[0]}x{run.grid[1]} = '
+                             f'{attn.shape[-1]} tokens, fewer than topk={K0}')
+        _record_margin(run.margin_recorder, 0, attn, K0)
         # (B uses only the indices: a selection on the detached weights records no
         # autograd node, which would keep the (L0, K0) int64 indices for its backward)
-        prev_score, prev_idx = (attn.detach() if attn_type == 'B' else attn).topk(
+        run.prev_score, run.prev_idx = (attn.detach() if run.attn_type == 'B' else attn).topk(
             K0, dim=-1, sorted=False)
-        weights = attn.scatter(-1, prev_idx, 0.) if attn_type == 'A' else attn
-    else:
-        weights = attn
-    messages: List[torch.Tensor] = [weights @ v0]  # level 0 in raster order (B, h, L0, d)
+        if run.attn_type == 'A':
+            weights = attn.scatter(-1, run.prev_idx, 0.)
+    return weights @ v0
 
-    # ---- finer levels
-    grid = (hc, wc)
-    lepe_added = set()  # levels whose messages already hold their LePE
-    weighted = set()  # levels whose messages (and LePE) already carry their level weight
-    for i in range(1, S):
-        final = i == S - 1
-        hi, wi = queries[i].shape[-2:]
-        if (hi, wi) != (2 * grid[0], 2 * grid[1]):
-            raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
-                             f'({grid[0]}x{grid[1]})')
-        k = to_heads(keys[i], h)  # (B, h, hi*wi, d)
-        v = to_heads(values[i], h)
-        kernels = _level_uses_triton(use_triton, k, 4 * prev_idx.shape[-1], not inference)
-        if not (kernels and k.dtype in _HALF and v.dtype in _HALF):
-            k, v = k.float(), v.float()
-        # (else bf16 / fp16 keys and values go to the kernels as they are: they read them
-        # into float32 registers, the same exact upcast as .float(), without writing a
-        # float32 copy of both maps first; a PyTorch fallback casts them)
-        if inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
-            # B: the level's LePE map is the buffer the messages are summed into
-            init = None
-            if attn_type == 'B' and lepes is not None:
-                init = lepe(i).contiguous()
-                lepe_added.add(i)
-            level = _finer_level_inference
-            if k.device.type == 'cpu' and margin_recorder is None:
-                kernel = cpu_kernels.quadtree_level_kernel()
-                if kernel is not None:
-                    level = functools.partial(_finer_level_cpu_kernel, kernel)
-            msg, prev_idx, prev_score = level(
-                queries[i].float(), k, v, prev_idx, prev_score, h, temp, attn_type,
-                None if final else topks[i], margin_recorder, i, init)
-            messages.append(msg)
-            grid = (hi, wi)
-            continue
-        q = level_queries(queries[i], h, temp)  # (B, h, L, 4, d), pre-scaled
-        if kernels and prev_idx.dtype != torch.int32:
+
+def _finer_level(run: _CoreRun, i: int, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, final: bool) -> torch.Tensor:
+    """Level ``i``'s messages in raster order: picks the path (see the core's docstring),
+    updates the top-k and grid the next level reads."""
+    hi, wi = query.shape[-2:]
+    if (hi, wi) != (2 * run.grid[0], 2 * run.grid[1]):
+        raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
+                         f'({run.grid[0]}x{run.grid[1]})')
+    k, v = to_heads(key, run.h), to_heads(value, run.h)  # (B, h, hi*wi, d)
+    kernels = _level_uses_triton(run.use_triton, k, 4 * run.prev_idx.shape[-1],
+                                 not run.inference)
+    if not (kernels and k.dtype in _HALF and v.dtype in _HALF):
+        k, v = k.float(), v.float()
+    # (else bf16 / fp16 keys and values go to the kernels as they are: they read them
+    # into float32 registers, the same exact upcast as .float(), without writing a
+    # float32 copy of both maps first; a PyTorch fallback casts them)
+    if run.inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
+        msg = _level_in_chunks(run, i, query, k, v, final)
+    else:
+        q = level_queries(query, run.h, run.temp)  # (B, h, L, 4, d), pre-scaled
+        if kernels and run.prev_idx.dtype != torch.int32:
             # int32 indices for the kernels (the ops save them for the backward: half the
             # bytes of int64; the levels below inherit the dtype)
-            prev_idx = prev_idx.int()
-        pw = grid[1]
+            run.prev_idx = run.prev_idx.int()
         # the kernels take the parent cells (B, h, L, Kp) and derive their 4Kp children
         # (a quarter of the index bytes read and kept for the backward, and no candidate
         # list built when nothing else needs it); the PyTorch path takes the children
-        index, iw = (prev_idx, pw) if kernels else (child_candidates(prev_idx, pw), 0)
+        pw = run.grid[1]
+        index, iw = (run.prev_idx, pw) if kernels else (child_candidates(run.prev_idx, pw), 0)
+        # (False when the level check said no: the same decision as above)
+        level_triton = run.use_triton if kernels else False
+        msg = None
+        if (final or run.attn_type == 'B' and not run.inference) and kernels:
+            msg = _level_fused(run, i, q, k, v, index, iw, final, level_triton, (hi, wi))
+        if msg is None:  # no fused kernel here, or it raised in auto mode (warned once)
+            msg = _level_batched(run, i, q, k, v, index, iw, final, level_triton, (hi, wi))
+    run.grid = (hi, wi)
+    return msg
 
-        def candidates() -> torch.Tensor:  # (B, h, L, 4Kp), for the top-k's gather
-            return child_candidates(prev_idx, pw) if iw else index
 
-        # (False when the level check said no: the same decision as the branch above)
-        level_triton = use_triton if kernels else False
-        # the fused kernel (scores + softmax (A: x prev_score) + messages, no (B, h, L, 4,
-        # 4Kp) tensors; its backward recomputes the weights) runs the final level and,
-        # when training, the other levels of B
-        # B: the level weight is applied in the kernel (its gradient from the backward's
-        # per-row g . out, no saved unweighted messages) and folded into the LePE conv;
-        # A: the kernel scales by the coarser level's scores
-        scale = level_weights[i] if attn_type == 'B' and level_weights is not None else None
-        extra = scale if attn_type == 'B' else prev_score
-        raw = None
-        if (final or attn_type == 'B' and not inference) and kernels and _use_final_kernel(
-                level_triton, attn_type, q, k, v, index, extra, iw, not inference):
-            qt_triton = _kernels()
-            if not final:
-                # B: the top-k indices carry no gradient, so the weights they are selected
-                # from are computed without autograd (nothing saved) and dropped
-                with torch.no_grad():
-                    attn = torch.softmax(
-                        gathered_scores(q, k, index, chunk_elements, level_triton, iw),
-                        dim=-1)
-                _record_margin(margin_recorder, i, attn, topks[i])
-                sel = attn.topk(topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
-                idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
-                del attn, sel
+def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, final: bool) -> torch.Tensor:
+    """Inference without the Triton kernels: parent rows in chunks, by the C++ CPU kernel
+    when it is built (and no margins are recorded), else ``_finer_level_inference``."""
+    # B: the level's LePE map is the buffer the messages are summed into
+    init = None
+    if run.attn_type == 'B' and run.lepes is not None:
+        init = run.lepe(i).contiguous()
+        run.lepe_added.add(i)
+    level = _finer_level_inference
+    if k.device.type == 'cpu' and run.margin_recorder is None:
+        kernel = cpu_kernels.quadtree_level_kernel()
+        if kernel is not None:
+            level = functools.partial(_finer_level_cpu_kernel, kernel)
+    msg, run.prev_idx, run.prev_score = level(
+        query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp, run.attn_type,
+        None if final else run.topks[i], run.margin_recorder, i, init)
+    return msg
 
-            def fused_level(q=q, k=k, v=v, index=index, extra=extra, iw=iw, hw=(hi, wi)):
-                if final and projections is not None and not inference:
-                    # (its backward recomputes the finest maps from the block input)
-                    return qt_triton.final_level_projected_triton(
-                        q, k, v, index, extra, iw, projections, hw, h, temp, attn_type)
-                if attn_type == 'B':
-                    return qt_triton.final_level_b_triton(q, k, v, index, extra, iw)
-                return qt_triton.final_level_a_triton(q, k, v, index, extra, iw)
 
-            # (None if the kernel raised in auto mode: warned once, the unfused path below)
-            raw = dispatch.guarded('quadtree', _final_key(attn_type, q, k, v, index, extra, iw),
-                                   q.device, level_triton is True, fused_level, lambda: None)
-        if raw is not None:
-            msg = children_to_raster(raw, (hi, wi))
-            if attn_type == 'B' and scale is not None:
-                weighted.add(i)
-                if lepes is not None:
-                    msg = msg.add_(lepe(i, scale)) if inference else msg + lepe(i, scale)
-                    lepe_added.add(i)
-            messages.append(msg)
-            if not final:
-                prev_idx, prev_score = children_to_raster(idx_i, (hi, wi)), None
-            grid = (hi, wi)
-            continue
-        scores = gathered_scores(q, k, index, chunk_elements, level_triton, iw)  # (.., 4, 4Kp)
-        if attn_type == 'B':
-            attn = torch.softmax(scores, dim=-1)
-        else:
-            Kp = prev_idx.shape[-1]
-            attn = torch.softmax(scores.unflatten(-1, (Kp, 4)), dim=-1)
-            attn = (attn * prev_score[:, :, :, None, :, None]).flatten(-2)
-        weights = attn
-        if not final:
-            Ki = topks[i]
-            _record_margin(margin_recorder, i, attn, Ki)
-            # (B: the indices only, selected on the detached weights, as at level 0)
-            score_i, sel = (attn.detach() if attn_type == 'B' else attn).topk(
-                Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
-            idx_i = candidates().unsqueeze(3).expand_as(attn).gather(-1, sel)
-            prev_idx = children_to_raster(idx_i, (hi, wi))
-            # (the finer levels of B do not use the scores of their parents)
-            prev_score = children_to_raster(score_i, (hi, wi)) if attn_type == 'A' else None
-            if attn_type == 'A':
-                weights = attn.scatter(-1, sel, 0.)
-        msg = gathered_messages(weights, v, index, chunk_elements, level_triton, iw)
-        messages.append(children_to_raster(msg, (hi, wi)))
-        grid = (hi, wi)
+def _candidates(run: _CoreRun, index: torch.Tensor, iw: int) -> torch.Tensor:
+    """``(B, h, L, 4Kp)`` candidate keys of the level, for the top-k's gather (``index``
+    holds them already unless it holds parent cells, ``iw > 0``)."""
+    return child_candidates(run.prev_idx, run.grid[1]) if iw else index
 
-    # ---- merge coarse -> fine
-    grid = (hc, wc)
+
+def _level_fused(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 index: torch.Tensor, iw: int, final: bool, level_triton: Optional[bool],
+                 hw: Tuple[int, int]) -> Optional[torch.Tensor]:
+    """The fused Triton level (scores + softmax (A: x prev_score) + messages, no
+    ``(B, h, L, 4, 4Kp)`` tensors; its backward recomputes the weights), or ``None`` when
+    the dispatch keeps this configuration on PyTorch or the kernel raised in auto mode.
+    B: the level weight is applied in the kernel (its gradient from the backward's per-row
+    ``g . out``, no saved unweighted messages) and folded into the LePE conv; A: the
+    kernel scales by the coarser level's scores."""
+    scale = (run.level_weights[i] if run.attn_type == 'B' and run.level_weights is not None
+             else None)
+    extra = scale if run.attn_type == 'B' else run.prev_score
+    if not _use_final_kernel(level_triton, run.attn_type, q, k, v, index, extra, iw,
+                             not run.inference):
+        return None
+    qt_triton = _kernels()
+    idx_i = None
+    if not final:
+        # B: the top-k indices carry no gradient, so the weights they are selected from
+        # are computed without autograd (nothing saved) and dropped
+        with torch.no_grad():
+            attn = torch.softmax(
+                gathered_scores(q, k, index, run.chunk_elements, level_triton, iw), dim=-1)
+        _record_margin(run.margin_recorder, i, attn, run.topks[i])
+        sel = attn.topk(run.topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
+        idx_i = _candidates(run, index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
+        del attn, sel
+
+    def fused_level():
+        if final and run.projections is not None and not run.inference:
+            # (its backward recomputes the finest maps from the block input)
+            return qt_triton.final_level_projected_triton(
+                q, k, v, index, extra, iw, run.projections, hw, run.h, run.temp,
+                run.attn_type)
+        if run.attn_type == 'B':
+            return qt_triton.final_level_b_triton(q, k, v, index, extra, iw)
+        return qt_triton.final_level_a_triton(q, k, v, index, extra, iw)
+
+    raw = dispatch.guarded('quadtree', _final_key(run.attn_type, q, k, v, index, extra, iw),
+                           q.device, level_triton is True, fused_level, lambda: None)
+    if raw is None:
+        return None
+    msg = children_to_raster(raw, hw)
+    if run.attn_type == 'B' and scale is not None:
+        run.weighted.add(i)
+        if run.lepes is not None:
+            lepe = run.lepe(i, scale)
+            msg = msg.add_(lepe) if run.inference else msg + lepe
+            run.lepe_added.add(i)
+    if not final:
+        run.prev_idx, run.prev_score = children_to_raster(idx_i, hw), None
+    return msg
+
+
+def _level_batched(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, index: torch.Tensor, iw: int, final: bool,
+                   level_triton: Optional[bool], hw: Tuple[int, int]) -> torch.Tensor:
+    """The level as batched gathers (``gathered_scores`` / ``gathered_messages``, custom
+    backward; their Triton kernels where the level check allowed them)."""
+    scores = gathered_scores(q, k, index, run.chunk_elements, level_triton, iw)
+    if run.attn_type == 'B':
+        attn = torch.softmax(scores, dim=-1)
+    else:
+        Kp = run.prev_idx.shape[-1]
+        attn = torch.softmax(scores.unflatten(-1, (Kp, 4)), dim=-1)
+        attn = (attn * run.prev_score[:, :, :, None, :, None]).flatten(-2)
+    weights = attn
+    if not final:
+        Ki = run.topks[i]
+        _record_margin(run.margin_recorder, i, attn, Ki)
+        # (B: the indices only, selected on the detached weights, as at level 0)
+        score_i, sel = (attn.detach() if run.attn_type == 'B' else attn).topk(
+            Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
+        idx_i = _candidates(run, index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
+        run.prev_idx = children_to_raster(idx_i, hw)
+        # (the finer levels of B do not use the scores of their parents)
+        run.prev_score = children_to_raster(score_i, hw) if run.attn_type == 'A' else None
+        if run.attn_type == 'A':
+            weights = attn.scatter(-1, sel, 0.)
+    msg = gathered_messages(weights, v, index, run.chunk_elements, level_triton, iw)
+    return children_to_raster(msg, hw)
+
+
+def _merge_levels(run: _CoreRun, messages: List[torch.Tensor],
+                  grid: Tuple[int, int]) -> torch.Tensor:
+    """Coarse to fine: each level broadcast into the next (B: after its LePE and level
+    weight, where the level path did not add them); in place without autograd."""
     out = None
     for i, msg in enumerate(messages):
-        if attn_type == 'B':
-            if lepes is not None and i not in lepe_added:
-                msg = msg.add_(lepe(i)) if inference else msg + lepe(i)
-            if level_weights is not None and i not in weighted:
-                msg = msg.mul_(level_weights[i]) if inference else msg * level_weights[i]
+        if run.attn_type == 'B':
+            if run.lepes is not None and i not in run.lepe_added:
+                msg = msg.add_(run.lepe(i)) if run.inference else msg + run.lepe(i)
+            if run.level_weights is not None and i not in run.weighted:
+                w = run.level_weights[i]
+                msg = msg.mul_(w) if run.inference else msg * w
         if out is None:
             out = msg
-        elif inference:  # broadcast the coarse level into the fine one, in place
+        elif run.inference:  # broadcast the coarse level into the fine one, in place
             B_, h_, _, X = msg.shape
             msg.view(B_, h_, grid[0], 2, grid[1], 2, X).add_(
                 out.view(B_, h_, grid[0], 1, grid[1], 1, X))
