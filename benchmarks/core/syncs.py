@@ -27,13 +27,15 @@ from typing import Any, Callable, Dict, List, Union
 
 import torch
 
+import flatten_mm
+
 #: aten ops (overload packet names) that synchronise with the host on CUDA
 SYNC_OPS = frozenset(('_local_scalar_dense', 'lift_fresh', 'lift_fresh_copy', 'nonzero',
                       'nonzero_static', 'masked_select', 'unique_dim', '_unique',
                       '_unique2', 'unique_consecutive', 'unique_dim_consecutive',
                       'repeat_interleave'))
 _COPY_OPS = frozenset(('_to_copy', 'copy_', 'copy'))
-_PACKAGE = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+_PACKAGE = osp.dirname(osp.abspath(flatten_mm.__file__))
 _TORCH = osp.dirname(osp.abspath(torch.__file__))
 
 

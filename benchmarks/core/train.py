@@ -290,8 +290,8 @@ def step_ratio_rows(rows: Sequence[Dict[str, Any]],
 
 # --------------------------------------------------------------------------- whole models
 def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
+    """The checkout (``benchmarks/core/`` is two folders below it)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def whole_model_configs(quick: bool = False) -> Dict[str, Tuple[Any, Dict[str, Any]]]:

@@ -32,8 +32,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..models.ops import quadtree_cpu as cpu_kernels
 from .rewrites import export_rewrites
-from .runtime import META_PREFIX
+from .runtime import META_PREFIX, OnnxModel
 from .targets import ExportTarget
 
 #: operator class name -> why its exported graph is valid for the export size only
@@ -107,6 +108,39 @@ def _torch_export(module, x, path, opset, dynamic_shapes, output_names):
                           dynamic_shapes=dynamic_shapes, external_data=False, verbose=False)
 
 
+def _export_dynamic(target: ExportTarget, module: torch.nn.Module, x: torch.Tensor, path: str,
+                    opset: int, d_lo: Tuple[int, int], d_hi: Tuple[int, int],
+                    messages: List[str]) -> Tuple[Optional[str], Tuple[int, int]]:
+    """Export with symbolic H, W from ``d_lo`` (or the lowest lower bound that works) to
+    ``d_hi``. Returns ``(static_reason, lower bound)``: a reason when no range could be
+    kept symbolic (nothing written then), else ``None``; ``messages`` gets what changed.
+
+    torch.export turns shape guards into constraints on H, W; some only hold from a larger
+    size on (e.g. a conv backend choice guarded on "the last stage has more than one
+    token"): the range then starts higher, never below what was asked and never above the
+    export size.
+    """
+    H, W = x.shape[-2:]
+    first_error = None
+    for lower in _lower_bounds(d_lo, (H, W)):
+        shapes = ({2: torch.export.Dim('height', min=lower[0], max=d_hi[0]),
+                   3: torch.export.Dim('width', min=lower[1], max=d_hi[1])}, )
+        try:
+            _torch_export(module, x, path, opset, shapes, target.output_names)
+        except Exception as e:  # a shape branch torch.export cannot keep general
+            first_error = first_error or e
+            continue
+        if lower != d_lo:
+            messages.append(f'dynamic range starts at {lower[0]}x{lower[1]}: torch.export '
+                            f'could not keep sizes from {d_lo[0]}x{d_lo[1]} symbolic '
+                            f'({_first_line(first_error)})')
+        return None, lower
+    reason = f'torch.export could not keep H, W symbolic ({_first_line(first_error)})'
+    messages.append(f'--dynamic not possible: {reason}; exporting a file valid for '
+                    f'{H}x{W} only')
+    return reason, d_lo
+
+
 def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
                 dynamic: bool = False, opset: int = 18,
                 max_hw: Sequence[int] = DEFAULT_MAX_HW, verify: bool = True,
@@ -133,7 +167,6 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
         ValueError: ``hw`` below the model's ``min_input_size()``.
     """
     import onnx
-    from ..models.ops import quadtree_cpu as cpu_kernels
     H, W = int(hw[0]), int(hw[1])
     lo_h, lo_w = target.min_hw
     if H < lo_h or W < lo_w:
@@ -151,31 +184,8 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with torch.no_grad(), cpu_kernels.use_cpu_kernels(False), export_rewrites():
         if dynamic and not static_reason:
-            # torch.export turns shape guards into constraints on H, W; some only hold
-            # from a larger size on (e.g. a conv backend choice guarded on "the last
-            # stage has more than one token"): the range then starts higher, never below
-            # what was asked and never above the export size
-            first_error = None
-            for lower in _lower_bounds(d_lo, (H, W)):
-                shapes = ({2: torch.export.Dim('height', min=lower[0], max=d_hi[0]),
-                           3: torch.export.Dim('width', min=lower[1], max=d_hi[1])}, )
-                try:
-                    _torch_export(module, x, path, opset, shapes, target.output_names)
-                except Exception as e:  # a shape branch torch.export cannot keep general
-                    first_error = first_error or e
-                    continue
-                if lower != d_lo:
-                    messages.append(
-                        f'dynamic range starts at {lower[0]}x{lower[1]}: torch.export could '
-                        f'not keep sizes from {d_lo[0]}x{d_lo[1]} symbolic '
-                        f'({_first_line(first_error)})')
-                d_lo = lower
-                break
-            else:
-                static_reason = (f'torch.export could not keep H, W symbolic '
-                                 f'({_first_line(first_error)})')
-                messages.append(f'--dynamic not possible: {static_reason}; exporting a file '
-                                f'valid for {H}x{W} only')
+            static_reason, d_lo = _export_dynamic(target, module, x, path, opset, d_lo, d_hi,
+                                                  messages)
         if not dynamic or static_reason:
             _torch_export(module, x, path, opset, None, target.output_names)
     model = onnx.load(path)
@@ -338,7 +348,6 @@ def compare_with_pytorch(target: ExportTarget, path: str,
                          sizes: Sequence[Sequence[int]]) -> List[Check]:
     """Run the file in ONNX Runtime (CPU) on the demo image at each size and compare
     with PyTorch eager (``compare_outputs``)."""
-    from .runtime import OnnxModel
     session = OnnxModel(path)
     results = []
     for hw in sizes:
