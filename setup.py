@@ -98,7 +98,7 @@ setup(
         # openmim: `mim search flatten_mm` (tests/test_docs.py). 0.3.7 is the last release
         # without the opendatalab -> openxlab dependency, which pins setuptools~=60.2,
         # requests~=2.28.2 and packaging~=24.0 and would downgrade them here.
-        'dev': ['pytest', 'pytest-timeout', 'fvcore', 'openmim==0.3.7'],
+        'dev': ['pytest', 'pytest-timeout', 'pytest-xdist', 'fvcore', 'openmim==0.3.7'],
         # ONNX export (torch.onnx dynamo exporter) and ONNX Runtime (flatten_mm.deploy)
         'deploy': ['onnx==1.23.2', 'onnxruntime==1.32.0', 'onnxscript==0.7.2'],
     },

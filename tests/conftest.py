@@ -14,6 +14,11 @@ os.environ.setdefault('TRITON_INTERPRET', '1')
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# parallel workers (scripts/run_tests.sh) share the cores instead of each taking all of them
+if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
+    torch.set_num_threads(max(1, torch.get_num_threads()
+                              // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
+
 # in CI (CI / FLATTEN_MM_REQUIRE_ALL set) a skip for a missing mmdet / mmseg / mmcv /
 # onnxruntime / triton fails instead (tests/required_packages.py)
 from required_packages import (pytest_make_collect_report,  # noqa: E402,F401

@@ -798,12 +798,13 @@ def test_gpu_check_tool_quadtree_check_runs_interpreted(monkeypatch):
                                         ('final_level_b_scaled', 'out dq dk dv dscale'),
                                         ('final_level_a', 'out dq dk dv dps'))
              for r in rs.split()}
+    records = {}
     for dtype in ('fp32', 'bf16'):
-        rec = tool.check_quadtree('tiny', dtype, args)
+        rec = records[dtype] = tool.check_quadtree('tiny', dtype, args)
         assert set(rec['errors']) == names and rec['passed'], rec
         assert (rec['parents'], rec['keys'], rec['candidates'], rec['head_dim']) == (16, 64, 8, 8)
         assert ('core' in rec) == (dtype == 'fp32')  # the core once, in the first dtype
-    rec = tool.check_quadtree('tiny', 'fp32', args)
+    rec = records['fp32']
     for attn_type, c in rec['core'].items():
         assert c['passed'] and c['near_tie_tokens'] == 0 and not c['skipped'], c
         assert c['min_margin'] > args.margin_threshold
