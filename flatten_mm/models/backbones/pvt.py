@@ -334,9 +334,8 @@ class FLattenPVTv2(PyramidVisionBackbone):
         with_cp: gradient checkpointing of every block (same outputs, less memory).
         recompute_mlp_act: when training, each MLP's GELU output is recomputed in the
             backward instead of kept (``PVTMlp``): the same outputs and gradients, a third
-            less MLP activation memory (PVTv2-b0 at 224², batch 1: 44 -> 33.5 MiB kept for
-            the backward) for one elementwise pass per block in the backward; ``False``
-            keeps it, as timm / mmdet do.
+            less MLP activation memory for one elementwise pass per block in the backward
+            (``docs/benchmarks/``); ``False`` keeps it, as timm / mmdet do.
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py``.
     """

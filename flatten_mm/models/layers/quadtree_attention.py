@@ -962,9 +962,7 @@ class QuadTreeAttention(nn.Module):
             2x2 conv, GroupNorm, act per level; their inputs and outputs, the value
             pyramid, are kept by the attention anyway) and, under bf16 / fp16 autocast, the
             float32 copy of each value map that the LePE conv reads. The same outputs and
-            gradients, less memory for more backward launches (QuadTree-B-b0, batch 1,
-            224², kernels on, counted on CPU: fp32 2.6 MiB less saved, +3.5 % backward
-            launches). With a backbone's ``with_cp`` the block is recomputed already;
+            gradients, less memory for more backward launches. With a backbone's ``with_cp`` the block is recomputed already;
             ``False`` then saves a third pass.
     """
 
