@@ -335,14 +335,7 @@ def write_json(path, env, rows, ratios, checks) -> None:
 
 
 def _pairs(args, quick: bool):
-    pairs = bm.quick_pairs() if quick else dict(bm.BACKBONE_PAIRS)
-    if args.families:
-        wanted = args.families.split(',')
-        unknown = [w for w in wanted if w not in pairs]
-        if unknown:
-            raise SystemExit(f'unknown --families {unknown}; available: {list(pairs)}')
-        pairs = {k: v for k, v in pairs.items() if k in wanted}
-    return pairs
+    return bm.select_pairs(args.families, quick)
 
 
 def profile_markdown(summaries, kernels, hw, args, env) -> str:

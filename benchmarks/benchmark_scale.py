@@ -47,15 +47,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _pairs(args):
-    pairs = bm.quick_pairs() if args.quick else dict(bm.BACKBONE_PAIRS)
-    if args.families:
-        wanted = args.families.split(',')
-        unknown = [f for f in wanted if f not in pairs]
-        if unknown:
-            raise SystemExit(f'unknown --families {unknown}; available: {list(pairs)}')
-        pairs = {k: v for k, v in pairs.items() if k in wanted}
-    return pairs
 
 
 def summary_markdown(summary, env) -> str:
@@ -84,9 +75,9 @@ def main(argv=None) -> int:
         if args.csv:
             bm.write_csv(rows, args.csv, columns=SCALE_COLUMNS)
 
-    run_scale_benchmark(_pairs(args), args.budget_gb, with_cp=cps, device=args.device,
-                        start=args.start, step=args.step, max_side=args.max_side,
-                        quick=args.quick, threads=args.threads,
+    run_scale_benchmark(bm.select_pairs(args.families, args.quick), args.budget_gb,
+                        with_cp=cps, device=args.device, start=args.start, step=args.step,
+                        max_side=args.max_side, quick=args.quick, threads=args.threads,
                         timeout_s=args.probe_timeout, on_row=save)
     text = summary_markdown(scale_summary(rows), env)
     print('\n' + text)

@@ -41,7 +41,7 @@ log-log PNG with the fitted scaling exponent of every op (``plots``). Modules:
 ``output``, ``plots``, ``env``.
 """
 from .cases import (BACKBONE_PAIRS, RESOLUTIONS, BackboneCase, backbone_cases, quick_pairs,
-                    ratio_rows, run_backbone_benchmark, tiny_backbones)
+                    ratio_rows, run_backbone_benchmark, select_pairs, tiny_backbones)
 from .env import environment
 from .compilation import compile_report
 from .ops import (OPS, QUADRATIC_OPS, make_op, op_exponents, quadtree_levels,
@@ -69,5 +69,5 @@ __all__ = [
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',
     'relu_linear_attention', 'run_backbone_benchmark', 'run_op_benchmark',
-    'run_sima_order_grid', 'tiny_backbones', 'write_csv'
+    'run_sima_order_grid', 'select_pairs', 'tiny_backbones', 'write_csv'
 ]

@@ -108,6 +108,20 @@ def quick_pairs() -> Dict[str, Tuple[str, ...]]:
             'quadtree-b-pvt-v2-tiny': ('pvt-v2-tiny (timm)', )}
 
 
+def select_pairs(families: Optional[str] = None,
+                 quick: bool = False) -> Dict[str, Tuple[str, ...]]:
+    """The backbone pairs of ``--families`` (comma-separated names of ours; all when
+    empty) from the full or the ``quick`` suite; an unknown name exits with the list."""
+    pairs = quick_pairs() if quick else dict(BACKBONE_PAIRS)
+    if families:
+        wanted = families.split(',')
+        unknown = [w for w in wanted if w not in pairs]
+        if unknown:
+            raise SystemExit(f'unknown --families {unknown}; available: {list(pairs)}')
+        pairs = {k: v for k, v in pairs.items() if k in wanted}
+    return pairs
+
+
 def run_backbone_benchmark(pairs: Optional[Dict[str, Sequence[str]]] = None,
                            resolutions: Sequence[Tuple[int, int]] = RESOLUTIONS,
                            batch: int = 1,

@@ -1,6 +1,6 @@
 """Log-log scaling plot of the op-level suite."""
 import os
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from .ops import OPS, op_exponents
 
@@ -44,13 +44,7 @@ def plot_scaling(rows: Sequence[Dict[str, Any]], path: str, title: str = '') -> 
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6.5, ncol=1)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(fig, plt, path, title)
 
 
 def plot_scale(rows: Sequence[Dict[str, Any]], path: str, budget_gb: float = None,
@@ -90,6 +84,11 @@ def plot_scale(rows: Sequence[Dict[str, Any]], path: str, budget_gb: float = Non
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     axes[1].set_yscale('log')
+    return _save(fig, plt, path, title)
+
+
+def _save(fig, plt, path: str, title: Optional[str]) -> bool:
+    """Title, layout and write ``fig`` to ``path`` (folders made), then close it."""
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
