@@ -962,8 +962,8 @@ class QuadTreeAttention(nn.Module):
             2x2 conv, GroupNorm, act per level; their inputs and outputs, the value
             pyramid, are kept by the attention anyway) and, under bf16 / fp16 autocast, the
             float32 copy of each value map that the LePE conv reads. The same outputs and
-            gradients, less memory for more backward launches. With a backbone's ``with_cp`` the block is recomputed already;
-            ``False`` then saves a third pass.
+            gradients, less memory for more backward launches. With a backbone's
+            ``with_cp`` the block is recomputed already; ``False`` then saves a third pass.
     """
 
     def __init__(self,
