@@ -66,8 +66,9 @@ def test_every_gpu_command_parses():
 
 def test_smoke_mode_runs_a_step_and_the_tables(tmp_path):
     out = tmp_path / 'out'
+    # (the interpreter running the tests: the checkout may have no .venv of its own)
     env = dict(os.environ, SMOKE='1', OUT=str(out), ONLY='steps_fp32_triton1,tables',
-               OMP_NUM_THREADS='1')
+               OMP_NUM_THREADS='1', PYTHON=sys.executable)
     res = subprocess.run(['bash', SCRIPT], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks.core.profiling import saved_for_backward
-from flatten_mm.models.layers import (FocusedLinearAttention, FocusedLinearAttentionQKV,
+from flatten_mm.models.layers import (LPI, FocusedLinearAttention, FocusedLinearAttentionQKV,
                                       PVTMlp, QuadTreeAttention, ShiftedWindowAttention,
                                       nchw_to_nlc, nlc_to_nchw)
 from flatten_mm.models.layers.conv import map_as_tokens, token_conv, tokens_as_map
@@ -155,8 +155,9 @@ def _mlp_step(mlp, x, hw, amp):
 def test_pvt_mlp_recomputed_activation_same_gradients_less_kept(dwconv, amp):
     """``PVTMlp(recompute_act=True)`` (the default): output and every gradient bit-identical
     to the plain modules, and exactly one hidden activation (the GELU output, in the
-    compute dtype) less kept for the backward, two with ``dwconv`` (the conv's output too). With a dropout after the activation, or a
-    swapped activation, the plain modules run (nothing less kept)."""
+    compute dtype) less kept for the backward, two with ``dwconv`` (the conv's output
+    too). With a dropout after the activation, or a swapped activation, the plain modules
+    run (nothing less kept)."""
     torch.manual_seed(0)
     mlp = PVTMlp(8, 24, dwconv=dwconv)
     x, hw = _rand(2, 20, 8), (4, 5)
@@ -208,9 +209,45 @@ def test_pvt_mlp_recomputed_activation_compiles_in_one_graph():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize('norm', ['BN', 'SyncBN', 'reverted'])
+def test_lpi_recomputed_activation_same_gradients_less_kept(norm):
+    """``LPI(recompute_act=True)`` (the default) in a training step: the same output and
+    running statistics, every gradient bit-identical to the plain modules' (the batch
+    statistics are recomputed by the same kernel), and exactly the GELU output (one
+    ``(B, C, H, W)`` float32 map) less kept; with BN, SyncBN outside a process group and
+    mmengine's reverted SyncBN. Eval mode, autocast and another norm run the plain modules."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d if norm == 'BN' else nn.SyncBatchNorm  # (no process group)
+    lpi = LPI(8, norm_layer=bn)
+    if norm == 'reverted':  # what mmengine's runner makes of SyncBN outside DDP
+        from mmengine.model.utils import revert_sync_batchnorm
+        lpi = revert_sync_batchnorm(lpi)
+    x, hw = _rand(2, 20, 8), (4, 5)
+    results = {}
+    for flag in (True, False):
+        lpi.recompute_act = flag
+        lpi.bn.reset_running_stats()
+        results[flag] = _mlp_step(lpi, x, hw, False) + (lpi.bn.running_mean.clone(),
+                                                        lpi.bn.running_var.clone())
+    (fast, fast_kept, *fast_stats), (plain, plain_kept, *plain_stats) = \
+        results[True], results[False]
+    assert all(torch.equal(a, b) for a, b in zip(fast + fast_stats, plain + plain_stats))
+    # (and the batch norm's four per-channel vectors its own backward keeps: batch mean,
+    # inverse std, running mean and variance)
+    assert plain_kept - fast_kept == 2 * 20 * 8 * 4 + 4 * 8 * 4, (plain_kept, fast_kept)
+    lpi.recompute_act = True
+    z = torch.randn(2, 8, 4, 5, requires_grad=True)
+    assert lpi._recomputes_act(z)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert not lpi._recomputes_act(z)
+    lpi.eval()
+    assert not lpi._recomputes_act(z)
+    assert not LPI(8, norm_layer=nn.InstanceNorm2d)._recomputes_act(z)
+
+
 def test_recompute_mlp_act_reaches_every_mlp():
     """Every backbone's ``recompute_mlp_act`` (default ``True``) is each of its MLPs'
-    ``recompute_act`` (one MLP per block)."""
+    ``recompute_act`` (one MLP per block), and SimA's LPIs' too."""
     from flatten_mm.models.backbones import (PVTv2, FLattenCSWin, FLattenPVT, FLattenPVTv2,
                                              FLattenSwin, QuadTreePVTv2, SimAXCiT)
     small = dict(embed_dims=(8, 16, 24, 32), depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4),
@@ -230,6 +267,9 @@ def test_recompute_mlp_act_reaches_every_mlp():
             blocks = sum(m.depths) if hasattr(m, 'depths') else m.depth
             assert len(mlps) == blocks, cls
             assert all(mod.recompute_act is flag for mod in mlps), cls
+            lpis = [mod for mod in m.modules() if isinstance(mod, LPI)]
+            assert len(lpis) == (blocks if cls is SimAXCiT else 0), cls
+            assert all(mod.recompute_act is flag for mod in lpis), cls
         assert all(mod.recompute_act for mod in cls(**kwargs).modules()
                    if isinstance(mod, PVTMlp))  # (the default)
 

@@ -79,8 +79,8 @@ class XCiTBlock(nn.Module):
         drop_path: stochastic-depth rate.
         layer_scale_init_value: initial value of ``gamma1..3`` (upstream ``eta``).
         norm_layer: factory of the LPI batch norm.
-        recompute_mlp_act: the MLP's GELU output recomputed in the backward instead of
-            kept (``PVTMlp(recompute_act=...)``).
+        recompute_mlp_act: the MLP's and the LPI's GELU outputs recomputed in the
+            backward instead of kept (``PVTMlp`` / ``LPI`` ``recompute_act``).
     """
 
     def __init__(self, embed_dims: int, num_heads: int, mlp_ratio: float = 4.,
@@ -96,7 +96,7 @@ class XCiTBlock(nn.Module):
                                     proj_drop=drop_rate)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm3 = nn.LayerNorm(embed_dims, eps=1e-6)
-        self.local_mp = LPI(embed_dims, norm_layer=norm_layer)
+        self.local_mp = LPI(embed_dims, norm_layer=norm_layer, recompute_act=recompute_mlp_act)
         self.norm2 = nn.LayerNorm(embed_dims, eps=1e-6)
         self.mlp = PVTMlp(embed_dims, int(embed_dims * mlp_ratio), drop=drop_rate, dwconv=False,
                           recompute_act=recompute_mlp_act)
@@ -208,8 +208,9 @@ class SimAXCiT(BaseModule):
         norm_eval: keep all batch norms in eval mode (frozen statistics) in training.
         with_cp: gradient checkpointing of every block (same outputs, less memory;
             batch-norm running statistics are updated again in the recomputation).
-        recompute_mlp_act: when training, each MLP's GELU output is recomputed in the
-            backward instead of kept (``PVTMlp``): the same outputs and gradients, a third
+        recompute_mlp_act: when training, each MLP's GELU output (and, with a batch norm
+            of the local batch, each LPI's) is recomputed in the backward instead of kept
+            (``PVTMlp``, ``LPI``): the same outputs and gradients, a third
             less MLP activation memory for one elementwise pass per block in the backward;
             ``False`` keeps it, as timm / mmdet do.
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a

@@ -15,11 +15,15 @@ the layers run on CPU and a single GPU; the backbone maps its ``norm_cfg`` to th
 factory.
 """
 import math
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..ops.autograd_paths import recorded_eagerly
 from .conv import map_as_tokens, tokens_as_map
 from .shape import nchw_to_nlc
 
@@ -129,6 +133,37 @@ class FourierPositionalEncoding(nn.Module):
         return f'hidden_dim={self.hidden_dim}, dim={self.dim}, temperature={self.temperature}'
 
 
+class _GELUBatchNorm(torch.autograd.Function):
+    """``bn(gelu(z))`` of a batch norm in training mode whose backward recomputes
+    ``gelu(z)`` and the batch statistics instead of keeping the GELU output: only ``z`` is
+    kept, which the GELU's own gradient needs anyway. The forward calls the module itself
+    (its running statistics are updated as usual); the backward runs the ops autograd would
+    run (``native_batch_norm_backward`` in training mode, ``gelu_backward``), so the
+    gradients are the plain modules'."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], bn: nn.Module, approximate: str) -> torch.Tensor:
+        ctx.save_for_backward(z, weight)
+        ctx.eps, ctx.approximate = bn.eps, approximate
+        return bn(F.gelu(z, approximate=approximate))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        z, weight = ctx.saved_tensors
+        a = F.gelu(z, approximate=ctx.approximate)  # recomputed
+        # the batch statistics by the kernel that computed them in the forward (the same
+        # values; its normalised output is dropped)
+        _, mean, invstd = torch.ops.aten.native_batch_norm(a, None, None, None, None, True,
+                                                           0.0, ctx.eps)
+        needs = ctx.needs_input_grad
+        da, dw, db = torch.ops.aten.native_batch_norm_backward(
+            grad, a, weight, None, None, mean, invstd, True, ctx.eps,
+            [True, weight is not None and needs[1], needs[2]])
+        dz = torch.ops.aten.gelu_backward(da, z, approximate=ctx.approximate)
+        return dz, dw, db, None, None
+
+
 class LPI(nn.Module):
     """XCiT local patch interaction on the token image.
 
@@ -138,10 +173,16 @@ class LPI(nn.Module):
         embed_dims: channels ``C``.
         kernel_size: odd kernel size (upstream: 3).
         norm_layer: factory of the norm between the convs.
+        recompute_act: when autograd records a training step with a batch norm that
+            normalises with the local batch (``BatchNorm2d``, mmengine's reverted SyncBN;
+            ``SyncBatchNorm`` outside a process group), outside autocast, the GELU output
+            is recomputed in the backward instead of kept (``_GELUBatchNorm``): the same
+            outputs and gradients, one of the LPI's four kept maps less. ``False``: plain
+            modules.
     """
 
     def __init__(self, embed_dims: int, kernel_size: int = 3,
-                 norm_layer: NormFactory = nn.BatchNorm2d) -> None:
+                 norm_layer: NormFactory = nn.BatchNorm2d, recompute_act: bool = True) -> None:
         super().__init__()
         if kernel_size % 2 != 1:
             raise ValueError(f'LPI kernel_size must be odd, got {kernel_size}')
@@ -152,10 +193,28 @@ class LPI(nn.Module):
         self.bn = norm_layer(embed_dims)
         self.conv2 = nn.Conv2d(embed_dims, embed_dims, kernel_size, padding=padding,
                                groups=embed_dims)
+        self.recompute_act = bool(recompute_act)
+
+    def _recomputes_act(self, z: torch.Tensor) -> bool:
+        """Whether ``_GELUBatchNorm`` runs (see ``recompute_act``); a synchronising batch
+        norm, eval mode, autocast, a swapped activation or norm keep the plain modules."""
+        bn = self.bn
+        # (a _BatchNorm with the base forward: BatchNorm2d, mmengine's reverted SyncBN)
+        local_bn = isinstance(bn, _BatchNorm) and (
+            type(bn).forward is _BatchNorm.forward
+            or type(bn).forward is nn.SyncBatchNorm.forward
+            and not (dist.is_available() and dist.is_initialized()))
+        return (self.recompute_act and type(self.act) is nn.GELU and local_bn
+                and bn.training and not torch.is_autocast_enabled(z.device.type)
+                and recorded_eagerly(z, *bn.parameters()))
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
         """Args: x ``(B, N, C)`` tokens of the ``hw_shape`` grid. Returns ``(B, N, C)``."""
         # tokens viewed as a channels-last map: no transposed copies
-        x = tokens_as_map(x, hw_shape)
-        x = self.conv2(self.bn(self.act(self.conv1(x))))
-        return map_as_tokens(x)
+        z = self.conv1(tokens_as_map(x, hw_shape))
+        if self._recomputes_act(z):
+            y = _GELUBatchNorm.apply(z, self.bn.weight, self.bn.bias, self.bn,
+                                     self.act.approximate)
+        else:
+            y = self.bn(self.act(z))
+        return map_as_tokens(self.conv2(y))
