@@ -532,7 +532,7 @@ class _CoreRun:
     use_triton: Optional[bool]
     projections: Optional[Projections]
     inference: bool
-    grid: Tuple[int, int] = (0, 0)
+    grid: Tuple[int, int]
     prev_idx: Optional[torch.Tensor] = None
     prev_score: Optional[torch.Tensor] = None
     lepe_added: set = dataclasses.field(default_factory=set)
@@ -628,10 +628,10 @@ def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor
     return msg
 
 
-def _candidates(run: _CoreRun, index: torch.Tensor, iw: int) -> torch.Tensor:
+def _candidates(index: torch.Tensor, iw: int) -> torch.Tensor:
     """``(B, h, L, 4Kp)`` candidate keys of the level, for the top-k's gather (``index``
     holds them already unless it holds parent cells, ``iw > 0``)."""
-    return child_candidates(run.prev_idx, run.grid[1]) if iw else index
+    return child_candidates(index, iw) if iw else index
 
 
 def _level_fused(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -659,7 +659,7 @@ def _level_fused(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor, v: tor
                 gathered_scores(q, k, index, run.chunk_elements, level_triton, iw), dim=-1)
         _record_margin(run.margin_recorder, i, attn, run.topks[i])
         sel = attn.topk(run.topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
-        idx_i = _candidates(run, index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
+        idx_i = _candidates(index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
         del attn, sel
 
     def fused_level():
@@ -707,7 +707,7 @@ def _level_batched(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor,
         # (B: the indices only, selected on the detached weights, as at level 0)
         score_i, sel = (attn.detach() if run.attn_type == 'B' else attn).topk(
             Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
-        idx_i = _candidates(run, index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
+        idx_i = _candidates(index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
         run.prev_idx = children_to_raster(idx_i, hw)
         # (the finer levels of B do not use the scores of their parents)
         run.prev_score = children_to_raster(score_i, hw) if run.attn_type == 'A' else None

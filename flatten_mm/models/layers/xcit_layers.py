@@ -202,8 +202,8 @@ class LPI(nn.Module):
         # (a _BatchNorm with the base forward: BatchNorm2d, mmengine's reverted SyncBN)
         local_bn = isinstance(bn, _BatchNorm) and (
             type(bn).forward is _BatchNorm.forward
-            or type(bn).forward is nn.SyncBatchNorm.forward
-            and not (dist.is_available() and dist.is_initialized()))
+            or (type(bn).forward is nn.SyncBatchNorm.forward
+                and not (dist.is_available() and dist.is_initialized())))
         return (self.recompute_act and type(self.act) is nn.GELU and local_bn
                 and bn.training and not torch.is_autocast_enabled(z.device.type)
                 and recorded_eagerly(z, *bn.parameters()))
