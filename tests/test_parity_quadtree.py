@@ -194,7 +194,7 @@ def test_reference_topk_matches_the_operator_selection():
 
 
 # ------------------------------------------------------------------ every code path
-PATHS = ['cpu_kernel', 'pytorch', 'autograd']
+PATHS = ['cpu_kernel', 'pytorch', 'cpu_kernel_autograd', 'autograd']
 
 
 @requires_shared()
@@ -203,13 +203,14 @@ PATHS = ['cpu_kernel', 'pytorch', 'autograd']
 @pytest.mark.parametrize('code_path', PATHS)
 def test_every_code_path_matches_the_fixture(path, code_path, monkeypatch):
     """The fused CPU kernel (what CPU inference uses), the pure-PyTorch inference path
-    (``use_cpu_kernels(False)``) and the autograd/training path (grad enabled: the
-    batched custom-backward gathers) each reproduce the official outputs."""
+    (``use_cpu_kernels(False)``), the CPU kernels with autograd (what CPU training uses)
+    and the PyTorch autograd path (the batched custom-backward gathers: training on other
+    devices and without the kernels) each reproduce the official outputs."""
     fx = torch.load(path, map_location='cpu', weights_only=True)
     assert find_adapter(fx).name == 'quadtree'
-    if code_path == 'cpu_kernel' and cpu_kernels.quadtree_level_kernel() is None:
+    if code_path.startswith('cpu_kernel') and cpu_kernels.quadtree_level_kernel() is None:
         pytest.skip(f'fused CPU kernel: {cpu_kernels.status()}')  # an error in CI
-    used = {'kernel': 0, 'inference': 0, 'batched': 0}
+    used = {'kernel': 0, 'inference': 0, 'train': 0, 'batched': 0}
 
     def spy(name, fn):
         def wrapped(*a, **kw):
@@ -220,15 +221,15 @@ def test_every_code_path_matches_the_fixture(path, code_path, monkeypatch):
     real_kernel = cpu_kernels.quadtree_level_kernel
     monkeypatch.setattr(cpu_kernels, 'quadtree_level_kernel',
                         lambda: None if real_kernel() is None else spy('kernel', real_kernel()))
+    monkeypatch.setattr(cpu_kernels, 'level', spy('train', cpu_kernels.level))
     monkeypatch.setattr(qta, '_finer_level_inference',
                         spy('inference', qta._finer_level_inference))
     monkeypatch.setattr(qta, 'gathered_scores', spy('batched', qta.gathered_scores))
-    if code_path == 'pytorch':
-        with cpu_kernels.use_cpu_kernels(False):
-            report = run_parity(fx, name=osp.basename(path))
-    else:
-        report = run_parity(fx, name=osp.basename(path), autograd=code_path == 'autograd')
+    autograd = code_path.endswith('autograd')
+    with cpu_kernels.use_cpu_kernels(code_path.startswith('cpu_kernel')):
+        report = run_parity(fx, name=osp.basename(path), autograd=autograd)
     print(code_path, report.format())
     assert report.passed, report.format()
-    expected = {'cpu_kernel': 'kernel', 'pytorch': 'inference', 'autograd': 'batched'}
+    expected = {'cpu_kernel': 'kernel', 'pytorch': 'inference', 'cpu_kernel_autograd': 'train',
+                'autograd': 'batched'}
     assert {k for k, n in used.items() if n} == {expected[code_path]}, used

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flatten_mm.models.layers import QuadTreeAttention, build_attention
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 from flatten_mm.models.layers.quadtree_attention import (gathered_messages, gathered_scores,
                                                          quadtree_attention_core)
 
@@ -160,9 +161,20 @@ CASES = [  # (attn_type, levels, finest hw, heads, topks, B: with LePE)
 ]
 
 
+def _cpu_kernels_or_skip(on: bool) -> None:
+    """Skip a case of the compiled CPU kernels where they are not built (CI requires them:
+    there ``quadtree_level_kernel`` raises instead)."""
+    if on and cpu_kernels.quadtree_level_kernel() is None:
+        pytest.skip(f'fused CPU kernel: {cpu_kernels.status()}')
+
+
 @pytest.mark.parametrize('attn_type,levels,hw,heads,topks,with_lepe', CASES)
-@pytest.mark.parametrize('chunk', [1, 1 << 25])
-def test_core_matches_reference(attn_type, levels, hw, heads, topks, with_lepe, chunk):
+@pytest.mark.parametrize('path,chunk', [('batched', 1), ('batched', 1 << 25),
+                                        ('cpu_kernel', 1 << 25)])
+def test_core_matches_reference(attn_type, levels, hw, heads, topks, with_lepe, path, chunk):
+    """Values and gradients of the core's training paths on CPU (the batched gathers in
+    chunks of one parent or one chunk, and the compiled kernels) against the reference."""
+    _cpu_kernels_or_skip(path == 'cpu_kernel')
     gen = torch.Generator().manual_seed(3)
     C = 4 * heads
     qs, ks, vs = pyramid(2, C, hw, levels, gen)
@@ -173,12 +185,14 @@ def test_core_matches_reference(attn_type, levels, hw, heads, topks, with_lepe, 
     for t in qs + ks + vs:
         t.requires_grad_(True)
     ref = reference_quadtree(qs, ks, vs, heads, topks, attn_type, weight, lepes)
-    ours = quadtree_attention_core(qs, ks, vs, heads, topks, attn_type, weight, lepes,
-                                   chunk_elements=chunk)
+    with cpu_kernels.use_cpu_kernels(path == 'cpu_kernel'):
+        ours = quadtree_attention_core(qs, ks, vs, heads, topks, attn_type, weight, lepes,
+                                       chunk_elements=chunk)
     B, N = ref.shape[:2]
     ours_tokens = ours.transpose(1, 2)  # (B, N, h, d)
     torch.testing.assert_close(ours_tokens, ref, atol=1e-5, rtol=1e-5)
-    # the custom backward of the gathers agrees with autograd through the reference
+    # the custom backward of the gathers / the kernels agrees with autograd through the
+    # reference
     g = torch.randn(ref.shape, generator=gen)
     grads_ref = torch.autograd.grad(ref, qs + ks + vs, g)
     grads = torch.autograd.grad(ours_tokens, qs + ks + vs, g)
@@ -459,13 +473,19 @@ class _MaxNumel(TorchDispatchMode):
 
 
 def test_memory_is_linear_in_tokens():
-    """128 x 128 tokens (N = 16384): no tensor gets anywhere near N x N elements."""
+    """128 x 128 tokens (N = 16384): no tensor of a training step gets anywhere near N x N
+    elements; on the batched path (other devices) the largest are the gathered rows and
+    the (N, 4K) scores, with the CPU kernels the (N, K) selections."""
     H = W = 128
     N = H * W
     C, heads, K = 16, 1, 32
     m = QuadTreeAttention(C, heads, num_levels=4, topk=K)
     x = torch.randn(1, N, C, requires_grad=True)
-    with _MaxNumel() as mode:
+    if cpu_kernels.quadtree_level_kernel() is not None:
+        with _MaxNumel() as mode:
+            m(x, (H, W)).sum().backward()
+        assert mode.max_numel <= max(N * K, N * C)
+    with _MaxNumel() as mode, cpu_kernels.use_cpu_kernels(False):
         m(x, (H, W)).sum().backward()
     # largest legitimate tensors: the gathered candidate rows of the finest level,
     # (N/4 parents) x 4K candidates x d, and the 4K scores of every query
@@ -475,7 +495,7 @@ def test_memory_is_linear_in_tokens():
     # chunking bounds the gathered rows further
     small = QuadTreeAttention(C, heads, num_levels=4, topk=K, chunk_elements=1 << 18)
     small.load_state_dict(m.state_dict())
-    with _MaxNumel() as mode_small:
+    with _MaxNumel() as mode_small, cpu_kernels.use_cpu_kernels(False):
         small(x, (H, W)).sum().backward()
     assert mode_small.max_numel <= N * 4 * K * heads  # now only the score tensors
 

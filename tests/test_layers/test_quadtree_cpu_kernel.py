@@ -1,7 +1,9 @@
-"""The fused QuadTree CPU kernel (``ops.quadtree_cpu`` + ``ops/csrc/quadtree_cpu.cpp``) against the
-pure-PyTorch inference path it replaces: messages, selected keys (A: and their weights),
-both variants, every head-width code path (AVX2 for d = 16/32/64, generic otherwise),
-batches, heads, odd and non-square maps; ties, NaN, the switch and the build fallback.
+"""The fused QuadTree CPU kernels (``ops.quadtree_cpu`` + ``ops/csrc/quadtree_cpu.cpp``) against
+the pure-PyTorch paths they replace: messages, selected keys (A: and their weights), the
+backward's gradients (against a float64 reference, the batched path, per module and per
+backbone with and without ``with_cp``), both variants, every head-width code path (AVX2
+for d = 16/32/64, generic otherwise), batches, heads, odd and non-square maps; ties, NaN,
+thread counts, the switch and the build fallback.
 
 The kernel is built on first use; in CI (``FLATTEN_MM_REQUIRE_CPU_KERNELS=1``) a failed
 build is an error, elsewhere these tests are skipped with the build error as the reason."""
@@ -11,10 +13,12 @@ import warnings
 import pytest
 import torch
 
+from flatten_mm.models import QuadTreePVTv2
 from flatten_mm.models.layers import QuadTreeAttention
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 from flatten_mm.models.layers.quadtree_attention import (_finer_level_cpu_kernel,
                                                          _finer_level_inference)
+from flatten_mm.models.ops.quadtree_layout import child_candidates, to_heads
 
 
 def _kernel():
@@ -99,26 +103,194 @@ def test_module_matches_pytorch_path(attn_type, dims, heads, levels, topk, hw):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_is_used_for_cpu_inference_only(monkeypatch):
+def test_kernel_is_used_on_cpu_for_inference_and_training(monkeypatch):
     _kernel()
     calls = []
-    real = cpu_kernels.quadtree_level_kernel
+    real, real_level = cpu_kernels.quadtree_level_kernel, cpu_kernels.level
 
     def spy():
         op = real()
-        return None if op is None else (lambda *a: calls.append(1) or op(*a))
+        return None if op is None else (lambda *a: calls.append('inference') or op(*a))
 
     monkeypatch.setattr(cpu_kernels, 'quadtree_level_kernel', spy)
+    monkeypatch.setattr(cpu_kernels, 'level',
+                        lambda *a: calls.append('train') or real_level(*a))
     m = QuadTreeAttention(16, 2, num_levels=3, topk=4)
     x = torch.randn(1, 16 * 16, 16)
-    m(x, (16, 16)).sum().backward()  # autograd: the batched path with custom backward
-    assert not calls
+    m(x, (16, 16)).sum().backward()
+    assert calls == ['train', 'train']  # the two finer levels, with autograd
+    calls.clear()
     with torch.no_grad():
         m(x, (16, 16))
-    assert len(calls) == 2  # the two finer levels
-    with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
-        m(x, (16, 16))
-    assert len(calls) == 2
+    assert calls == ['inference', 'inference']
+    calls.clear()
+    with cpu_kernels.use_cpu_kernels(False):
+        m(x, (16, 16)).sum().backward()
+        with torch.no_grad():
+            m(x, (16, 16))
+    assert not calls
+    m.margin_recorder = lambda level, margin: None  # margins: the PyTorch path
+    m(x, (16, 16)).sum().backward()
+    assert not calls
+
+
+def _dense_level(q, k, v, prev_idx, prev_score, width, temp, topk):
+    """One finer level written densely (every query's ``4 Kp`` candidate rows gathered):
+    the float64 reference of ``cpu_kernels.level``."""
+    BH, M, d = q.shape
+    pw = width // 2
+    rows = torch.arange(M)
+    parent = (rows // width // 2) * pw + rows % width // 2
+    cand = child_candidates(prev_idx, pw)[:, parent]  # (BH, M, K)
+    heads = torch.arange(BH)[:, None, None]
+    kg, vg = k[heads, cand], v[heads, cand]  # (BH, M, K, d)
+    scores = (q.unsqueeze(2) * kg).sum(-1) * temp
+    K = cand.shape[-1]
+    if prev_score is None:
+        attn = scores.softmax(-1)
+    else:
+        attn = scores.view(BH, M, K // 4, 4).softmax(-1) * prev_score[:, parent, :, None]
+        attn = attn.view(BH, M, K)
+    weights, idx, score = attn, None, None
+    if topk:
+        score, sel = attn.topk(topk, -1) if prev_score is not None else attn.detach().topk(topk, -1)
+        idx = cand.gather(-1, sel)
+        if prev_score is not None:
+            weights = attn.scatter(-1, sel, 0.)
+    return (weights.unsqueeze(-1) * vg).sum(2), idx, score
+
+
+def _level_step(fn, q, k, v, prev_idx, prev_score, width, temp, topk, grad):
+    """Messages, selections and the gradients of a loss over the messages and (A) the
+    passed-on weights, weighted by their key rows (independent of the selection order)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ps = None if prev_score is None else prev_score.detach().clone().requires_grad_()
+    msg, idx, score = fn(*leaves, prev_idx, ps, width, temp, topk)
+    loss = (msg * grad).sum()
+    if ps is not None and topk:
+        loss = loss + (score * torch.sin(idx.to(score.dtype))).sum()
+    grads = torch.autograd.grad(loss, leaves + ([ps] if ps is not None else []))
+    return msg.detach(), idx, grads
+
+
+@pytest.mark.parametrize('attn_type,B,h,d,hw,Kp,topk',
+                         [c for c in LEVEL_CASES if c[4] != (56, 56)])
+def test_level_gradients_match_float64_reference(attn_type, B, h, d, hw, Kp, topk):
+    """``cpu_kernels.level`` forward and backward (B; A with the passed-on weights' gradient
+    from the next level) against a dense float64 reference: every gradient within float32
+    rounding of the reference's largest magnitude."""
+    _kernel()
+    gen = torch.Generator().manual_seed(B * 1000 + d * 10 + Kp)
+    q_map, k, v, prev_idx, prev_score = _level_inputs(B, h, d, hw, Kp, gen, attn_type)
+    BH, M = B * h, hw[0] * hw[1]
+    q = to_heads(q_map, h).reshape(BH, M, d)
+    k, v = k.reshape(BH, M, d), v.reshape(BH, M, d)
+    prev_idx = prev_idx.reshape(BH, M // 4, Kp)
+    prev_score = None if prev_score is None else prev_score.reshape(BH, M // 4, Kp)
+    grad = torch.randn(BH, M, d, generator=gen)
+    args = (prev_idx, prev_score, hw[1], d**-0.5, topk or 0, grad)
+    msg, idx, grads = _level_step(cpu_kernels.level, q, k, v, *args)
+    f64 = [t.double() if t is not None and t.is_floating_point() else t
+           for t in (q, k, v, prev_idx, prev_score)]
+    ref_msg, ref_idx, ref_grads = _level_step(_dense_level, *f64, *args[2:5], grad.double())
+    torch.testing.assert_close(msg.double(), ref_msg, atol=2e-6, rtol=1e-5)
+    if topk:
+        assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values)
+    assert len(grads) == (4 if attn_type == 'A' else 3)
+    for name, g, ref in zip(('q', 'k', 'v', 'prev_score'), grads, ref_grads):
+        err = ((g.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        assert err < 1e-5, (name, err)
+
+
+def test_level_backward_is_independent_of_the_thread_count():
+    """Every gradient row has one writer: 1 and 3 threads give bit-identical gradients."""
+    _kernel()
+    gen = torch.Generator().manual_seed(3)
+    q_map, k, v, prev_idx, _ = _level_inputs(2, 1, 32, (32, 24), 16, gen, 'B')
+    q = to_heads(q_map, 1).reshape(2, -1, 32)
+    k, v, prev_idx = k.reshape(2, -1, 32), v.reshape(2, -1, 32), prev_idx.reshape(2, -1, 16)
+    grad = torch.randn(q.shape, generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results.append(_level_step(cpu_kernels.level, q, k, v, prev_idx, None, 24, 0.2,
+                                       8, grad))
+    finally:
+        torch.set_num_threads(threads)
+    (msg1, idx1, g1), (msg3, idx3, g3) = results
+    assert torch.equal(msg1, msg3) and torch.equal(idx1, idx3)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g3))
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+@pytest.mark.parametrize('dims,heads,levels,topk,hw', [
+    (64, 2, 4, 8, (64, 48)),
+    (96, 3, 3, (6, 12), (41, 70)),  # padded to multiples of 4
+    (66, 2, 2, 4, (30, 18)),  # d = 33
+])
+def test_module_trains_as_with_the_pytorch_path(attn_type, dims, heads, levels, topk, hw):
+    """A training step of ``QuadTreeAttention`` with the kernels: output, input gradient and
+    every parameter gradient as on the batched PyTorch path, within float32 rounding."""
+    _kernel()
+    torch.manual_seed(0)
+    m = QuadTreeAttention(dims, heads, attn_type=attn_type, num_levels=levels, topk=topk)
+    x = torch.randn(2, hw[0] * hw[1], dims)
+    grad = torch.randn(x.shape)
+
+    def step():
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = m(xi, hw)
+        out.backward(grad)
+        return out.detach(), xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()
+                                       if p.grad is not None}
+
+    out, dx, grads = step()
+    with cpu_kernels.use_cpu_kernels(False):
+        ref, ref_dx, ref_grads = step()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    _assert_gradients_close(dict(grads, x=dx), dict(ref_grads, x=ref_dx))
+
+
+def _assert_gradients_close(grads, ref_grads):
+    """Each gradient within 1e-4 of its largest magnitude, or of a thousandth of the largest
+    of all (``k_proj.bias`` only shifts every score of a query: its gradient is zero up to
+    rounding on both paths)."""
+    floor = 1e-3 * max(r.abs().max() for r in ref_grads.values())
+    for name, r in ref_grads.items():
+        err = ((grads[name] - r).abs().max() / torch.maximum(r.abs().max(), floor)).item()
+        assert err < 1e-4, (name, err)
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+@pytest.mark.parametrize('with_cp', [False, True])
+def test_backbone_trains_as_with_the_pytorch_path(attn_type, with_cp):
+    """A training step of a tiny QuadTree backbone (both variants, with and without
+    ``with_cp``) with the kernels: outputs and every parameter gradient as without them."""
+    _kernel()
+    arch = dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                mlp_ratios=(2, 2, 2, 2))
+    x = torch.randn(1, 3, 160, 128, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        torch.manual_seed(0)
+        model = QuadTreePVTv2(arch=arch, attn_cfg=dict(topk=4, attn_type=attn_type),
+                              drop_path_rate=0., with_cp=with_cp).train()
+        outs = model(x.clone().requires_grad_(with_cp))
+        sum((o * torch.linspace(0.5, 1.5, o.shape[1]).view(1, -1, 1, 1)).mean()
+            for o in outs).backward()
+        return outs, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    outs, grads = step()
+    with cpu_kernels.use_cpu_kernels(False):
+        ref_outs, ref_grads = step()
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    _assert_gradients_close(grads, ref_grads)
 
 
 def test_ties_take_the_lowest_candidates():
@@ -221,14 +393,22 @@ for attn_type in ('A', 'B'):
             with cpu_kernels.use_cpu_kernels(False):
                 ref = m(x, (24, 20))
         worst = max(worst, float((out - ref).abs().max() / ref.abs().max()))
+        grads = []
+        for on in (True, False):  # a training step: the backward kernel's generic loops
+            xi = x.clone().requires_grad_()
+            with cpu_kernels.use_cpu_kernels(on):
+                m.train()(xi, (24, 20)).square().sum().backward()
+            grads.append(xi.grad)
+        worst = max(worst, float((grads[0] - grads[1]).abs().max() / grads[1].abs().max()))
 print('WORST', worst)
 '''
 
 
 def test_generic_build_without_isa_extensions(tmp_path):
     """The portable build (what a CPU without AVX2 / a non-x86 machine compiles: scalar
-    exp and dot products) gives the PyTorch path's results too. Own process and cache
-    directory: a process holds one build of the ``flatten_mm`` op library."""
+    exp and dot products) gives the PyTorch path's results and input gradients too. Own
+    process and cache directory: a process holds one build of the ``flatten_mm`` op
+    library."""
     import subprocess
     import sys
     _kernel()  # the compiler works here

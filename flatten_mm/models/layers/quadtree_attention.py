@@ -49,6 +49,11 @@ Implementation notes:
   ``attn_cfg=dict(use_triton=False)`` in a backbone) or ``FLATTEN_MM_TRITON=0``
   (environment) selects the PyTorch path, which stays the reference and the CPU /
   float64 / export path.
+* On CPU the finer levels run the compiled kernels of ``ops.quadtree_cpu`` when they are
+  built (``FLATTEN_MM_CPU_KERNELS=0`` turns them off): inference in chunks of parent
+  rows, and training through an autograd function whose backward rebuilds the weights
+  from the level's queries, keys, values and selected cells (no ``(N, 4K)`` weights,
+  candidate lists or gathered rows kept).
 """
 import contextlib
 import dataclasses
@@ -473,9 +478,10 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
 
     The coarsest level is full softmax attention (``_coarsest_level``); each finer level
-    runs one of three paths (``_finer_level`` decides): without autograd and without the
+    runs one of four paths (``_finer_level`` decides): without autograd and without the
     Triton kernels, chunks of parent rows (``_level_in_chunks``: the C++ CPU kernel or
-    PyTorch; peak memory about the output plus the pyramids); the fused Triton level
+    PyTorch; peak memory about the output plus the pyramids); with autograd on CPU, the
+    C++ kernels' autograd function (``_level_cpu_train``); the fused Triton level
     (``_level_fused``: the final level, and B's other levels when training); otherwise the
     batched gathers with their custom backward (``_level_batched``). ``_merge_levels`` then
     adds the levels coarse to fine (in place without autograd).
@@ -586,6 +592,8 @@ def _finer_level(run: _CoreRun, i: int, query: torch.Tensor, key: torch.Tensor,
     # float32 copy of both maps first; a PyTorch fallback casts them)
     if run.inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
         msg = _level_in_chunks(run, i, query, k, v, final)
+    elif not kernels and _cpu_kernel_trains(run, k):
+        msg = _level_cpu_train(run, i, query, k, v, final)
     else:
         q = level_queries(query, run.h, run.temp)  # (B, h, L, 4, d), pre-scaled
         if kernels and run.prev_idx.dtype != torch.int32:
@@ -626,6 +634,33 @@ def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor
         query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp, run.attn_type,
         None if final else run.topks[i], run.margin_recorder, i, init)
     return msg
+
+
+def _cpu_kernel_trains(run: _CoreRun, k: torch.Tensor) -> bool:
+    """Whether a training level runs the compiled CPU kernels (``_level_cpu_train``): on
+    CPU, without margin recording, when they are built and enabled."""
+    return (k.device.type == 'cpu' and run.margin_recorder is None
+            and cpu_kernels.quadtree_level_kernel() is not None)
+
+
+def _level_cpu_train(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, final: bool) -> torch.Tensor:
+    """A level with autograd on CPU by the compiled kernels (``quadtree_cpu.level``: it keeps
+    the level's queries, keys, values and selected cells for the backward, which rebuilds
+    the weights; none of the batched path's ``(N, 4K)`` weights and candidate lists)."""
+    B, C, hi, wi = query.shape
+    BH, M = B * run.h, hi * wi
+    Kp = run.prev_idx.shape[-1]
+    topk = 0 if final else run.topks[i]
+    prev_score = run.prev_score.reshape(BH, M // 4, Kp) if run.attn_type == 'A' else None
+    msg, idx, score = cpu_kernels.level(
+        to_heads(query.float(), run.h).reshape(BH, M, -1), k.reshape(BH, M, -1),
+        v.reshape(BH, M, -1), run.prev_idx.reshape(BH, M // 4, Kp), prev_score, wi, run.temp,
+        topk)
+    if not final:
+        run.prev_idx = idx.view(B, run.h, M, topk)
+        run.prev_score = score.view(B, run.h, M, topk) if run.attn_type == 'A' else None
+    return msg.view(B, run.h, M, -1)
 
 
 def _candidates(index: torch.Tensor, iw: int) -> torch.Tensor:

@@ -2,14 +2,17 @@
 
 Stock PyTorch has no fast CPU form of QuadTree's per-parent "gather the candidate keys,
 score, soft-max, top-k, aggregate" step: it becomes a dozen small operators per level
-whose gathered ``(N, 4K, d)`` rows do not fit in cache (docs/benchmarks). The kernel in
-``csrc/quadtree_cpu.cpp`` does the step for one parent at a time in cache. It is built once
-per machine and torch version with the system C++ compiler (a few tens of seconds; cached
-under ``$FLATTEN_MM_EXT_DIR``, default ``~/.cache/flatten_mm/ext``) and used for CPU
-inference only. The pure-PyTorch path (``quadtree_attention._finer_level_inference``) stays
-the reference and the fallback: it is used with autograd, on other devices, under
-``torch.compile``, when ``FLATTEN_MM_CPU_KERNELS=0``, and when the build fails (one
-warning with the compiler's message; results are the same either way).
+whose gathered ``(N, 4K, d)`` rows do not fit in cache (docs/benchmarks). The kernels in
+``csrc/quadtree_cpu.cpp`` do the step for one parent at a time in cache, and its backward
+from the level's inputs alone (``level``: an autograd function that keeps ``q``, ``k``,
+``v`` and the selected cells, not the ``(N, 4K)`` weights and gathered rows the PyTorch
+path saves). They are built once per machine and torch version with the system C++
+compiler (a few tens of seconds; cached under ``$FLATTEN_MM_EXT_DIR``, default
+``~/.cache/flatten_mm/ext``) and used on CPU, for inference and training. The
+pure-PyTorch paths of ``layers.quadtree_attention`` stay the reference and the fallback:
+they are used on other devices, under ``torch.compile``, when margins are recorded, when
+``FLATTEN_MM_CPU_KERNELS=0``, and when the build fails (one warning with the compiler's
+message; results are the same either way, up to float rounding).
 """
 import contextlib
 import hashlib
@@ -18,7 +21,7 @@ import os.path as osp
 import platform
 import threading
 import warnings
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
@@ -28,6 +31,7 @@ ENV_SWITCH = 'FLATTEN_MM_CPU_KERNELS'
 ENV_REQUIRE = 'FLATTEN_MM_REQUIRE_CPU_KERNELS'
 #: ``generic`` builds without ISA extensions (the code paths of non-AVX2 machines)
 ENV_ISA = 'FLATTEN_MM_CPU_ISA'
+_OPS = ('quadtree_level', 'quadtree_level_backward')
 _SOURCE = osp.join(osp.dirname(osp.abspath(__file__)), 'csrc', 'quadtree_cpu.cpp')
 
 _lock = threading.Lock()
@@ -90,9 +94,9 @@ def _build() -> None:
         name=name, sources=[_SOURCE], build_directory=build_dir, is_python_module=False,
         extra_cflags=['-O3', '-fopenmp', '-fno-math-errno'] + isa,
         extra_ldflags=['-fopenmp'], verbose=False)
-    _loaded = hasattr(torch.ops.flatten_mm, 'quadtree_level')
+    _loaded = all(hasattr(torch.ops.flatten_mm, op) for op in _OPS)
     if not _loaded:
-        _error = 'the library loaded but did not register flatten_mm::quadtree_level'
+        _error = f'the library loaded but did not register flatten_mm::{{{", ".join(_OPS)}}}'
 
 
 def quadtree_level_kernel() -> Optional[Callable]:
@@ -129,3 +133,60 @@ def status() -> str:
     if _loaded is None:
         return 'not built yet (built on first CPU use)'
     return 'loaded' if _loaded else f'unavailable: {_error}'
+
+
+class _Level(torch.autograd.Function):
+    """One finer level by the fused kernels, with autograd: keeps the inputs, and the
+    backward kernel rebuilds the scores and weights from them (see ``level``)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prev_idx: torch.Tensor,
+                prev_score: Optional[torch.Tensor], width: int, temp: float, topk: int):
+        type_a = prev_score is not None
+        msg = torch.zeros_like(q)
+        next_idx, next_score = torch.ops.flatten_mm.quadtree_level(
+            q, k, v, prev_idx, prev_score, msg, width, temp, topk, type_a)
+        ctx.save_for_backward(q, k, v, prev_idx, prev_score, next_idx)
+        ctx.width, ctx.temp = width, temp
+        ctx.mark_non_differentiable(next_idx)
+        if not type_a:
+            ctx.mark_non_differentiable(next_score)
+        ctx.set_materialize_grads(False)
+        return msg, next_idx, next_score
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Optional[torch.Tensor], _, next_grad: Optional[torch.Tensor]):
+        q, k, v, prev_idx, prev_score, next_idx = ctx.saved_tensors
+        grad = torch.zeros_like(q) if grad is None else grad.contiguous()
+        dq, dk, dv, dprev = torch.ops.flatten_mm.quadtree_level_backward(
+            grad, q, k, v, prev_idx, prev_score, next_idx, next_grad, ctx.width, ctx.temp,
+            prev_score is not None)
+        return dq, dk, dv, None, dprev if prev_score is not None else None, None, None, None
+
+
+def level(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prev_idx: torch.Tensor,
+          prev_score: Optional[torch.Tensor], width: int, temp: float,
+          topk: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One finer level of QuadTree attention by the compiled kernels, differentiable in
+    ``q``, ``k``, ``v`` and (variant A) ``prev_score``; call only when
+    ``quadtree_level_kernel()`` returned the kernel.
+
+    Args:
+        q, k, v: ``(BH, M, d)`` float32, raster order of an ``(M / width, width)`` level
+            with even sides (``q`` not pre-scaled).
+        prev_idx: ``(BH, M / 4, Kp)`` int64 cells of the coarser grid each parent selected.
+        prev_score: variant A: ``(BH, M / 4, Kp)`` float32 weights of those cells;
+            ``None`` selects variant B.
+        width: the level's width.
+        temp: the score scale (``d ** -0.5``).
+        topk: candidates each query passes on (0 at the final level).
+
+    Returns:
+        ``msg`` ``(BH, M, d)``, ``next_idx`` ``(BH, M, topk)`` int64 candidate rows of this
+        level (no gradient) and ``next_score`` (A: their weights, ``(BH, M, topk)``; B:
+        empty).
+    """
+    return _Level.apply(q.contiguous(), k.contiguous(), v.contiguous(), prev_idx.contiguous(),
+                        None if prev_score is None else prev_score.contiguous(), width, temp,
+                        topk)

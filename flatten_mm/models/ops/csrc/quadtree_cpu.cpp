@@ -1,8 +1,8 @@
-// Fused CPU kernel for one finer level of QuadTree attention (inference only).
+// Fused CPU kernels for one finer level of QuadTree attention, forward and backward.
 //
-// Part of flatten_mm (Apache-2.0). Same maths as ``_finer_level_inference`` in
-// ../quadtree_attention.py (which stays the reference and the path on other devices and
-// with autograd): for every parent query of the coarser level, its 4 child queries score
+// Part of flatten_mm (Apache-2.0). Same maths as ``_finer_level_inference`` and the batched
+// level of ../../layers/quadtree_attention.py (which stay the reference and the path on
+// other devices): for every parent query of the coarser level, its 4 child queries score
 // the 4 children of the parent's ``Kp`` selected keys (4 Kp candidates), take a softmax
 // over them (variant B) or over each group of 4 children, scaled by the parent's selected
 // weight (variant A), pass the ``topk`` best candidates on to the next level, and add
@@ -10,7 +10,15 @@
 // read once, straight from the key/value tables, and everything else stays in the
 // core's cache: no gathered (N, 4K, d) rows, no (N, 4K) score tensors.
 //
-// Registered as torch.ops.flatten_mm.quadtree_level (no pybind11).
+// The backward keeps nothing from the forward but its inputs: pass 1 (one parent per task)
+// rebuilds a parent's scores and weights and writes its query gradients; pass 2 (one
+// cell of the parent grid per task) walks the parents that selected the cell (an inverted
+// index built by counting sort) and sums the key / value gradients of its 4 children, so
+// every gradient row has one writer: no atomics, no per-thread buffers, and the same
+// result for any number of threads.
+//
+// Registered as torch.ops.flatten_mm.quadtree_level and quadtree_level_backward (no
+// pybind11).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -70,8 +79,10 @@ inline __m256 exp8_nonpositive(__m256 x) {
 }
 #endif
 
-// softmax of n values in place (a NaN value makes the whole row NaN)
-inline void softmax_inplace(float* s, int64_t n) {
+// softmax of n values in place (a NaN value makes the whole row NaN); returns the row's
+// maximum and the inverse of its sum of exponentials (the backward rebuilds the weights
+// from them: w = exp(s - max) * inv)
+inline std::pair<float, float> softmax_inplace(float* s, int64_t n) {
   float mx = s[0];
   for (int64_t c = 1; c < n; ++c) mx = std::max(mx, s[c]);
   float sum = 0.f;
@@ -94,6 +105,7 @@ inline void softmax_inplace(float* s, int64_t n) {
   }
   const float inv = 1.f / sum;
   for (c = 0; c < n; ++c) s[c] *= inv;
+  return {mx, inv};
 }
 
 struct LevelArgs {
@@ -232,10 +244,34 @@ inline void aggregate4(const float* w, const float* vb, const int64_t* cand, int
   }
 }
 
+// The 4 candidate rows (children, raster order of the level) of each of the Kp selected
+// cells of the parent grid: cand[4 j + u] is child u (top-left, top-right, bottom-left,
+// bottom-right) of cell sel[j].
+inline void children_of(const int64_t* sel, int64_t Kp, int64_t Mp, int64_t width,
+                        int64_t* cand) {
+  const int64_t pw = width / 2;
+  for (int64_t j = 0; j < Kp; ++j) {
+    const int64_t s = sel[j];
+    TORCH_CHECK(s >= 0 && s < Mp, "quadtree_level: prev_idx entry ", s,
+                " is outside the parent grid of ", Mp, " tokens");
+    const int64_t base = 2 * (s / pw) * width + 2 * (s % pw);
+    cand[4 * j] = base;
+    cand[4 * j + 1] = base + 1;
+    cand[4 * j + 2] = base + width;
+    cand[4 * j + 3] = base + width + 1;
+  }
+}
+
+// The rows (in the (BH * M) table) of the 4 child queries of parent p of head bh.
+inline void query_rows(int64_t bh, int64_t p, int64_t M, int64_t width, int64_t* rows) {
+  const int64_t pw = width / 2, py = p / pw, px = p % pw;
+  for (int t = 0; t < 4; ++t) rows[t] = bh * M + (2 * py + t / 2) * width + 2 * px + t % 2;
+}
+
 template <int D>
 void run_level(const LevelArgs& g) {
   const int64_t d = D > 0 ? D : g.d;
-  const int64_t M = g.M, width = g.width, pw = width / 2, Mp = M / 4;
+  const int64_t M = g.M, width = g.width, Mp = M / 4;
   const int64_t Kp = g.Kp, K = 4 * Kp, topk = g.topk;
   const int64_t tasks = g.BH * Mp;
   const int64_t grain = std::max<int64_t>(1, 2048 / (K * d / 32 + 1));
@@ -246,25 +282,13 @@ void run_level(const LevelArgs& g) {
     std::vector<int32_t> keys(K);
     std::vector<int32_t> chosen(K);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / Mp, p = task % Mp;
-      const int64_t py = p / pw, px = p % pw;
-      const int64_t* sel = g.prev_idx + task * Kp;
-      for (int64_t j = 0; j < Kp; ++j) {  // children of the selected parents
-        const int64_t s = sel[j];
-        TORCH_CHECK(s >= 0 && s < Mp, "quadtree_level: prev_idx entry ", s,
-                    " is outside the parent grid of ", Mp, " tokens");
-        const int64_t sy = s / pw, sx = s % pw;
-        const int64_t base = 2 * sy * width + 2 * sx;
-        cand[4 * j] = base;
-        cand[4 * j + 1] = base + 1;
-        cand[4 * j + 2] = base + width;
-        cand[4 * j + 3] = base + width + 1;
-      }
+      const int64_t bh = task / Mp;
+      children_of(g.prev_idx + task * Kp, Kp, Mp, width, cand.data());
       int64_t rows[4];
+      query_rows(bh, task % Mp, M, width, rows);
       const float* qs[4];
       float* outs[4];
       for (int t = 0; t < 4; ++t) {
-        rows[t] = bh * M + (2 * py + t / 2) * width + 2 * px + t % 2;
         qs[t] = g.q + rows[t] * d;
         outs[t] = g.msg + rows[t] * d;
       }
@@ -294,6 +318,239 @@ void run_level(const LevelArgs& g) {
         for (int64_t c = 0; c < K; ++c) w[4 * c + t] = col[c];
       }
       aggregate4<D>(w.data(), g.v + bh * M * d, cand.data(), K, d, outs);
+    }
+  });
+}
+
+// out += sum_t w[t] rows[t] for 4 rows of d floats
+template <int D>
+inline void axpy4(const float* w, const float* const* rows, int64_t d, float* out) {
+  const int64_t n = D > 0 ? D : d;
+  const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+  const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+#pragma omp simd
+  for (int64_t x = 0; x < n; ++x) out[x] += w0 * r0[x] + w1 * r1[x] + w2 * r2[x] + w3 * r3[x];
+}
+
+// The position of row among the topk rows a query passed on, or -1 (variant A: its
+// selected keys left the message and carry the next level's gradient instead).
+inline int64_t selected_at(const int64_t* chosen, int64_t topk, int64_t row) {
+  for (int64_t i = 0; i < topk; ++i)
+    if (chosen[i] == row) return i;
+  return -1;
+}
+
+struct BackwardArgs {
+  const float* grad;  // (BH, M, d) gradient of the messages
+  const float* q;
+  const float* k;
+  const float* v;
+  const int64_t* prev_idx;
+  const float* prev_score;   // variant A only
+  const int64_t* next_idx;   // variant A with topk > 0: (BH, M, topk)
+  const float* next_grad;    // gradient of next_score, or nullptr (zero)
+  float* dq;
+  float* dk;
+  float* dv;
+  float* dprev_score;        // variant A only: (BH, M / 4, Kp)
+  float* stats;              // variant B: (BH * M, 3) row max, 1 / sum, sum_c w dw
+  const int64_t* offsets;    // (BH * M / 4 + 1): entries of each parent-grid cell
+  const int32_t* entries;    // p * Kp + j of every parent p that selected the cell as its j-th
+  int64_t BH, M, d, width, Kp, topk;
+  float scale;
+  bool type_a;
+};
+
+// Variant A, one query t of a parent and one group of 4 children (one selected cell, whose
+// weight in the coarser level is ps): from the scores s[u] (rebuilt into the softmax), the
+// message-weight gradients dw[u] and the rows the query passed on, the weights w[u] of
+// the message, the score gradients ds[u] (times scale) and the group's part of d ps.
+inline float group_a_backward(float* s, const float* dw, float ps, const int64_t* chosen,
+                              const float* chosen_grad, int64_t topk, const int64_t* rows,
+                              float scale, float* w, float* ds) {
+  softmax_inplace(s, 4);
+  float dsoft[4], dps = 0.f, dot = 0.f;
+  for (int u = 0; u < 4; ++u) {
+    const int64_t i = topk > 0 ? selected_at(chosen, topk, rows[u]) : -1;
+    const float dattn = i < 0 ? dw[u] : (chosen_grad != nullptr ? chosen_grad[i] : 0.f);
+    w[u] = i < 0 ? s[u] * ps : 0.f;
+    dps += dattn * s[u];
+    dsoft[u] = dattn * ps;
+    dot += s[u] * dsoft[u];
+  }
+  for (int u = 0; u < 4; ++u) ds[u] = s[u] * (dsoft[u] - dot) * scale;
+  return dps;
+}
+
+// Backward, pass 1, one parent per task: the query gradients (and, for A, the gradient of
+// the parent's selected-cell weights; for B, the softmax statistics pass 2 needs).
+template <int D>
+void backward_queries(const BackwardArgs& g) {
+  const int64_t d = D > 0 ? D : g.d;
+  const int64_t M = g.M, width = g.width, Mp = M / 4, Kp = g.Kp, K = 4 * Kp;
+  const int64_t grain = std::max<int64_t>(1, 1024 / (K * d / 32 + 1));
+  at::parallel_for(0, g.BH * Mp, grain, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand(K);
+    std::vector<float> w(4 * K), dw(4 * K), col(K), dps(Kp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / Mp;
+      children_of(g.prev_idx + task * Kp, Kp, Mp, width, cand.data());
+      int64_t rows[4];
+      query_rows(bh, task % Mp, M, width, rows);
+      const float* qs[4];
+      const float* gs[4];
+      float* dqs[4];
+      for (int t = 0; t < 4; ++t) {
+        qs[t] = g.q + rows[t] * d;
+        gs[t] = g.grad + rows[t] * d;
+        dqs[t] = g.dq + rows[t] * d;
+        std::fill(dqs[t], dqs[t] + d, 0.f);
+      }
+      const float* kb = g.k + bh * M * d;
+      const float* vb = g.v + bh * M * d;
+      for (int64_t c = 0; c < K; ++c) {
+        dot4<D>(qs, kb + cand[c] * d, d, g.scale, &w[4 * c]);  // scores
+        dot4<D>(gs, vb + cand[c] * d, d, 1.f, &dw[4 * c]);     // d message weights
+      }
+      std::fill(dps.begin(), dps.end(), 0.f);
+      for (int t = 0; t < 4; ++t) {
+        for (int64_t c = 0; c < K; ++c) col[c] = w[4 * c + t];
+        if (g.type_a) {
+          const int64_t* chosen = g.topk > 0 ? g.next_idx + rows[t] * g.topk : nullptr;
+          const float* cg =
+              g.topk > 0 && g.next_grad != nullptr ? g.next_grad + rows[t] * g.topk : nullptr;
+          const float* ps = g.prev_score + task * Kp;
+          for (int64_t j = 0; j < Kp; ++j) {
+            float dwj[4], wj[4], ds[4];
+            for (int u = 0; u < 4; ++u) dwj[u] = dw[4 * (4 * j + u) + t];
+            dps[j] += group_a_backward(&col[4 * j], dwj, ps[j], chosen, cg, g.topk,
+                                       &cand[4 * j], g.scale, wj, ds);
+            for (int u = 0; u < 4; ++u) w[4 * (4 * j + u) + t] = ds[u];
+          }
+        } else {
+          const std::pair<float, float> st = softmax_inplace(col.data(), K);
+          float delta = 0.f;
+          for (int64_t c = 0; c < K; ++c) delta += col[c] * dw[4 * c + t];
+          for (int64_t c = 0; c < K; ++c)
+            w[4 * c + t] = col[c] * (dw[4 * c + t] - delta) * g.scale;
+          float* row_stats = g.stats + rows[t] * 3;
+          row_stats[0] = st.first;
+          row_stats[1] = st.second;
+          row_stats[2] = delta;
+        }
+      }
+      aggregate4<D>(w.data(), kb, cand.data(), K, d, dqs);  // dq = sum_c ds k_c
+      if (g.type_a)
+        for (int64_t j = 0; j < Kp; ++j) g.dprev_score[task * Kp + j] = dps[j];
+    }
+  });
+}
+
+// Backward, pass 2, one cell of the parent grid per task: the key and value gradients of
+// its 4 children, summed over the parents that selected the cell (each child row is
+// written by its cell only: no atomics, the same result for any thread count). The
+// weights are rebuilt from the scores (B: with pass 1's statistics).
+template <int D>
+void backward_keys(const BackwardArgs& g) {
+  const int64_t d = D > 0 ? D : g.d;
+  const int64_t M = g.M, width = g.width, pw = width / 2, Mp = M / 4, Kp = g.Kp;
+  const int64_t cells = g.BH * Mp, total = g.offsets[cells];
+  // chunks of cells holding about the same number of entries (popular cells are not
+  // spread evenly over the map)
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
+      cells, 16 * static_cast<int64_t>(at::get_num_threads())));
+  std::vector<int64_t> bounds(chunks + 1, cells);
+  for (int64_t c = 0; c < chunks; ++c)
+    bounds[c] = std::lower_bound(g.offsets, g.offsets + cells, total * c / chunks) - g.offsets;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(8 * d);
+    for (int64_t cell = bounds[begin]; cell < bounds[end]; ++cell) {
+      const int64_t bh = cell / Mp, s = cell % Mp;
+      const int64_t base = 2 * (s / pw) * width + 2 * (s % pw);
+      const int64_t kids[4] = {base, base + 1, base + width, base + width + 1};
+      const float* kr[4];
+      const float* vr[4];
+      for (int u = 0; u < 4; ++u) {
+        kr[u] = g.k + (bh * M + kids[u]) * d;
+        vr[u] = g.v + (bh * M + kids[u]) * d;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);  // dk of the 4 children, then their dv
+      for (int64_t e = g.offsets[cell]; e < g.offsets[cell + 1]; ++e) {
+        const int64_t p = g.entries[e] / Kp, j = g.entries[e] % Kp;
+        int64_t rows[4];
+        query_rows(bh, p, M, width, rows);
+        const float* qs[4];
+        const float* gs[4];
+        for (int t = 0; t < 4; ++t) {
+          qs[t] = g.q + rows[t] * d;
+          gs[t] = g.grad + rows[t] * d;
+        }
+        float sc[16], dw[16], w[16], ds[16];  // [4 u + t]
+        for (int u = 0; u < 4; ++u) {
+          dot4<D>(qs, kr[u], d, g.scale, &sc[4 * u]);
+          dot4<D>(gs, vr[u], d, 1.f, &dw[4 * u]);
+        }
+        for (int t = 0; t < 4; ++t) {
+          if (g.type_a) {
+            const int64_t* chosen = g.topk > 0 ? g.next_idx + rows[t] * g.topk : nullptr;
+            const float* cg =
+                g.topk > 0 && g.next_grad != nullptr ? g.next_grad + rows[t] * g.topk : nullptr;
+            float st[4], dwt[4], wt[4], dst[4];
+            for (int u = 0; u < 4; ++u) {
+              st[u] = sc[4 * u + t];
+              dwt[u] = dw[4 * u + t];
+            }
+            group_a_backward(st, dwt, g.prev_score[(bh * Mp + p) * Kp + j], chosen, cg,
+                             g.topk, kids, g.scale, wt, dst);
+            for (int u = 0; u < 4; ++u) {
+              w[4 * u + t] = wt[u];
+              ds[4 * u + t] = dst[u];
+            }
+          } else {
+            const float* row_stats = g.stats + rows[t] * 3;
+            for (int u = 0; u < 4; ++u) {
+              const float pr = exp_nonpositive(sc[4 * u + t] - row_stats[0]) * row_stats[1];
+              w[4 * u + t] = pr;
+              ds[4 * u + t] = pr * (dw[4 * u + t] - row_stats[2]) * g.scale;
+            }
+          }
+        }
+        for (int u = 0; u < 4; ++u) {
+          axpy4<D>(&ds[4 * u], qs, d, &acc[u * d]);
+          axpy4<D>(&w[4 * u], gs, d, &acc[(4 + u) * d]);
+        }
+      }
+      for (int u = 0; u < 4; ++u) {
+        std::copy(&acc[u * d], &acc[(u + 1) * d], g.dk + (bh * M + kids[u]) * d);
+        std::copy(&acc[(4 + u) * d], &acc[(5 + u) * d], g.dv + (bh * M + kids[u]) * d);
+      }
+    }
+  });
+}
+
+// For every cell of each head's parent grid, the (p * Kp + j) of the parents p that selected
+// it as their j-th cell (counting sort: offsets (BH * Mp + 1) and entries (BH * Mp * Kp)).
+void cells_to_parents(const int64_t* prev_idx, int64_t BH, int64_t Mp, int64_t Kp,
+                      int64_t* offsets, int32_t* entries) {
+  std::fill(offsets, offsets + BH * Mp + 1, 0);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t* sel = prev_idx + bh * Mp * Kp;
+      int64_t* count = offsets + bh * Mp + 1;
+      for (int64_t e = 0; e < Mp * Kp; ++e) {
+        TORCH_CHECK(sel[e] >= 0 && sel[e] < Mp, "quadtree_level_backward: prev_idx entry ",
+                    sel[e], " is outside the parent grid of ", Mp, " tokens");
+        ++count[sel[e]];
+      }
+    }
+  });
+  for (int64_t c = 0; c < BH * Mp; ++c) offsets[c + 1] += offsets[c];
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cursor(Mp);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      std::copy(offsets + bh * Mp, offsets + (bh + 1) * Mp, cursor.begin());
+      const int64_t* sel = prev_idx + bh * Mp * Kp;
+      for (int64_t e = 0; e < Mp * Kp; ++e) entries[cursor[sel[e]]++] = static_cast<int32_t>(e);
     }
   });
 }
@@ -360,10 +617,85 @@ std::vector<at::Tensor> quadtree_level(const at::Tensor& q, const at::Tensor& k,
   return {next_idx, next_score};
 }
 
+// The backward of quadtree_level (same q, k, v, prev_idx, prev_score, width, temp, type_a;
+// next_idx: its returned candidate rows, used by A with topk > 0, when the selected keys
+// left the message). grad: (BH, M, d) gradient of the messages; next_grad: optional
+// gradient of A's next_score. Returns (dq, dk, dv, dprev_score); dprev_score is empty for
+// B. Recomputes the scores and weights (nothing but the inputs is kept from the forward).
+std::vector<at::Tensor> quadtree_level_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& prev_idx, const c10::optional<at::Tensor>& prev_score_opt,
+    const at::Tensor& next_idx, const c10::optional<at::Tensor>& next_grad_opt,
+    int64_t width, double temp, bool type_a) {
+  TORCH_CHECK(q.device().is_cpu(), "quadtree_level_backward: CPU tensors only");
+  for (const at::Tensor* t : {&grad, &q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->sizes() == q.sizes(),
+                "quadtree_level_backward: grad, q, k, v must be contiguous float32 (BH, M, d)");
+  TORCH_CHECK(prev_idx.scalar_type() == at::kLong && prev_idx.is_contiguous(),
+              "quadtree_level_backward: contiguous int64 prev_idx expected");
+  const int64_t BH = q.size(0), M = q.size(1), d = q.size(2);
+  TORCH_CHECK(width % 2 == 0 && width > 0 && M % (2 * width) == 0,
+              "quadtree_level_backward: the level must have even height and width");
+  const int64_t Mp = M / 4;
+  TORCH_CHECK(prev_idx.dim() == 3 && prev_idx.size(0) == BH && prev_idx.size(1) == Mp,
+              "quadtree_level_backward: prev_idx must be (BH, M / 4, Kp)");
+  const int64_t Kp = prev_idx.size(2);
+  TORCH_CHECK(Mp * Kp < std::numeric_limits<int32_t>::max(),
+              "quadtree_level_backward: more than 2^31 selections per head");
+  at::Tensor prev_score, next_grad, dprev_score = at::empty({0}, q.options());
+  int64_t topk = 0;
+  if (type_a) {
+    TORCH_CHECK(prev_score_opt.has_value(), "quadtree_level_backward: variant A needs prev_score");
+    prev_score = prev_score_opt->contiguous();
+    TORCH_CHECK(prev_score.scalar_type() == at::kFloat && prev_score.sizes() == prev_idx.sizes(),
+                "quadtree_level_backward: prev_score must be float32 like prev_idx");
+    TORCH_CHECK(next_idx.scalar_type() == at::kLong && next_idx.is_contiguous() &&
+                    next_idx.dim() == 3 && next_idx.size(0) == BH && next_idx.size(1) == M,
+                "quadtree_level_backward: next_idx must be contiguous int64 (BH, M, topk)");
+    topk = next_idx.size(2);
+    if (next_grad_opt.has_value() && topk > 0) {
+      next_grad = next_grad_opt->contiguous();
+      TORCH_CHECK(next_grad.scalar_type() == at::kFloat && next_grad.sizes() == next_idx.sizes(),
+                  "quadtree_level_backward: next_grad must be float32 like next_idx");
+    }
+    dprev_score = at::empty(prev_idx.sizes(), q.options());
+  }
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor stats = at::empty({type_a ? 0 : BH * M, 3}, q.options());
+  at::Tensor offsets = at::empty({BH * Mp + 1}, prev_idx.options());
+  at::Tensor entries = at::empty({BH * Mp * Kp}, prev_idx.options().dtype(at::kInt));
+  cells_to_parents(prev_idx.data_ptr<int64_t>(), BH, Mp, Kp, offsets.data_ptr<int64_t>(),
+                   entries.data_ptr<int32_t>());
+  const BackwardArgs args{
+      grad.data_ptr<float>(), q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+      prev_idx.data_ptr<int64_t>(), type_a ? prev_score.data_ptr<float>() : nullptr,
+      type_a && topk > 0 ? next_idx.data_ptr<int64_t>() : nullptr,
+      next_grad.defined() ? next_grad.data_ptr<float>() : nullptr, dq.data_ptr<float>(),
+      dk.data_ptr<float>(), dv.data_ptr<float>(),
+      type_a ? dprev_score.data_ptr<float>() : nullptr,
+      type_a ? nullptr : stats.data_ptr<float>(), offsets.data_ptr<int64_t>(),
+      entries.data_ptr<int32_t>(), BH, M, d, width, Kp, topk, static_cast<float>(temp), type_a};
+  switch (d) {
+    case 16: backward_queries<16>(args); backward_keys<16>(args); break;
+    case 32: backward_queries<32>(args); backward_keys<32>(args); break;
+    case 64: backward_queries<64>(args); backward_keys<64>(args); break;
+    default: backward_queries<0>(args); backward_keys<0>(args);
+  }
+  return {dq, dk, dv, dprev_score};
+}
+
 TORCH_LIBRARY(flatten_mm, m) {
   m.def(
       "quadtree_level(Tensor q, Tensor k, Tensor v, Tensor prev_idx, Tensor? prev_score, "
       "Tensor(a!) msg, int width, float temp, int topk, bool type_a) -> Tensor[]");
+  m.def(
+      "quadtree_level_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor prev_idx, "
+      "Tensor? prev_score, Tensor next_idx, Tensor? next_grad, int width, float temp, "
+      "bool type_a) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(flatten_mm, CPU, m) { m.impl("quadtree_level", &quadtree_level); }
+TORCH_LIBRARY_IMPL(flatten_mm, CPU, m) {
+  m.impl("quadtree_level", &quadtree_level);
+  m.impl("quadtree_level_backward", &quadtree_level_backward);
+}
