@@ -374,6 +374,16 @@ def test_bad_kernel_arguments_are_named():
         op(q, q, q, idx, None, q.clone(), 8, 1.0, 9, False)
     with pytest.raises(RuntimeError, match='outside the parent grid'):
         op(q, q, q, idx + 16, None, q.clone(), 8, 1.0, 0, False)
+    backward = torch.ops.flatten_mm.quadtree_level_backward
+    none = torch.empty(1, 64, 0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match='float32'):
+        backward(q.double(), q, q, q, idx, None, none, None, 8, 1.0, False)
+    with pytest.raises(RuntimeError, match='prev_idx must be'):
+        backward(q, q, q, q, idx[:, :8], None, none, None, 8, 1.0, False)
+    with pytest.raises(RuntimeError, match='variant A needs prev_score'):
+        backward(q, q, q, q, idx, None, none, None, 8, 1.0, True)
+    with pytest.raises(RuntimeError, match='outside the parent grid'):
+        backward(q, q, q, q, idx + 16, None, none, None, 8, 1.0, False)
 
 
 _GENERIC_CHECK = '''
