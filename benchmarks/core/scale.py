@@ -38,6 +38,9 @@ import torch.nn as nn
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 SCALE_COLUMNS = ('name', 'source', 'device', 'with_cp', 'budget_gb', 'side', 'fits',
                  'step_s', 'peak_mem_mb', 'error')
+#: the error of a probe whose model cannot checkpoint (``enable_checkpointing``): no size
+#: fits or fails, the search stops and the summary says so
+NO_CHECKPOINTING = 'has no gradient checkpointing switch'
 
 
 def enable_checkpointing(model: nn.Module) -> nn.Module:
@@ -195,7 +198,7 @@ def largest_side(name: str, with_cp: bool, budget_gb: float, start: int = 1024,
             bad = side
             break
         good, side = side, side * 2
-    if bad is None:
+    if bad is None or NO_CHECKPOINTING in str(rows[-1].get('error', '')):
         return rows
     while bad - good > step:  # bisection on multiples of ``step``
         mid = (good + bad) // 2 // step * step
@@ -248,10 +251,13 @@ def scale_summary(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                      budget_gb=r['budget_gb'], largest_side=0, step_s='',
                                      peak_mem_mb='', first_failing_side=''))
         fits = r['fits'] in (True, 'True', 'true', 1)
-        if fits and int(r['side']) > s['largest_side']:
+        if NO_CHECKPOINTING in str(r.get('error', '')):
+            s['first_failing_side'] = 'no with_cp switch'
+        elif fits and int(r['side']) > s['largest_side']:
             s.update(largest_side=int(r['side']), step_s=r['step_s'],
                      peak_mem_mb=r['peak_mem_mb'])
         elif not fits and (s['first_failing_side'] == ''
-                           or int(r['side']) < int(s['first_failing_side'])):
+                           or isinstance(s['first_failing_side'], int)
+                           and int(r['side']) < s['first_failing_side']):
             s['first_failing_side'] = int(r['side'])
     return list(out.values())

@@ -25,6 +25,21 @@ def test_search_finds_the_largest_fitting_multiple_of_step(limit):
     assert len(seen) <= 12  # doubling + bisection, not a linear scan
 
 
+def test_a_model_without_checkpointing_is_probed_once_and_said_so():
+    """mmdet's PVTv2 has no ``with_cp``: one probe, no search down to the smallest side,
+    and the summary names the reason instead of a side."""
+    def fake(name, side, with_cp, budget_gb, **kwargs):
+        return dict(name=name, side=side, with_cp=with_cp, budget_gb=budget_gb, fits=False,
+                    step_s='', peak_mem_mb=900.0,
+                    error=f'ValueError: PyramidVisionTransformerV2 {scale.NO_CHECKPOINTING}')
+
+    rows = scale.largest_side('x', True, 4.0, start=1024, step=256, run=fake)
+    assert [r['side'] for r in rows] == [1024]
+    (summary, ) = scale.scale_summary(rows)
+    assert summary['largest_side'] == 0
+    assert summary['first_failing_side'] == 'no with_cp switch'
+
+
 def test_probe_runs_a_training_step_and_the_budget_refuses_it():
     fits = scale.run_probe('flatten-pvt-v2-tiny', 64, False, 8.0, quick=True, threads=1)
     assert fits['fits'] is True and fits['error'] == ''
