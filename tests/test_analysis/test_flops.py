@@ -6,8 +6,9 @@ Three independent references:
 * torch's dispatcher-level counter (``torch.utils.flop_counter.FlopCounterMode``, which
   sees every matmul / conv / linear actually executed, 2 FLOPs per multiply-add) for the
   product terms, per operator and for whole backbones / detectors ("exactly once").
-  These reference runs keep autograd on: QuadTree's no-grad fast path aggregates values
-  with a weighted ``embedding_bag`` (same multiply-adds), which torch's counter skips;
+  These reference runs keep autograd on and QuadTree's compiled CPU kernels off: its
+  no-grad fast path aggregates values with a weighted ``embedding_bag`` and the kernels
+  do the products in C++ (the same multiply-adds), which torch's counter does not see;
 * mmengine's jit ``FlopAnalyzer`` for the hook conventions of ordinary layers.
 """
 import math
@@ -21,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flatten_mm.analysis.flops import (ATTENTION_FLOPS, PRODUCT_CATEGORIES, FlopCounter,
                                        attention_flops, by_category, count_flops)
 from flatten_mm.models.backbones import PVTv2
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 from flatten_mm.models.layers import (ATTENTIONS, CrossShapedAttention, FocusedLinearAttention,
                                       FocusedLinearAttentionQKV, QuadTreeAttention,
                                       ShiftedWindowAttention, SimAAttention,
@@ -182,8 +184,9 @@ def test_products_equal_torch_dispatch_count(op, hw):
     module, _ = build(op)
     x = torch.randn(B, hw[0] * hw[1], C)
     terms = by_category(attention_flops(module.eval(), x.shape, hw))
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
-        module(x, hw)  # autograd on: see the module docstring
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc, \
+            cpu_kernels.use_cpu_kernels(False):
+        module(x, hw)  # autograd on, CPU kernels off: see the module docstring
     assert sum(terms[c] for c in PRODUCT_CATEGORIES) == fc.get_total_flops() // 2
 
 
@@ -255,7 +258,8 @@ def test_whole_backbone_counts_each_product_once(name):
     x = torch.randn(1, 3, 65, 97)
     report = count_flops(model, x)
     cats = report.categories()
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc, \
+            cpu_kernels.use_cpu_kernels(False):
         model(x)
     assert sum(cats[c] for c in PRODUCT_CATEGORIES) == fc.get_total_flops() // 2
     # total = hooks of the ordinary layers + the analytic operator counts

@@ -28,6 +28,7 @@ from flatten_mm.models.layers import (FocusedLinearAttention,  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
 from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
 from flatten_mm.models.ops import dispatch, kernel_limits  # noqa: E402
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('triton_interpreter')
 
@@ -135,7 +136,8 @@ def test_failing_kernel_falls_back_with_one_warning(auto_on_cpu, monkeypatch, na
     make, ops = OPERATORS[name]
     family = 'fla' if name.startswith('fla') else 'quadtree'
     x = _input(make(False)[1])
-    ref = _step(make, False, x)
+    with cpu_kernels.use_cpu_kernels(False):  # what a GPU falls back to: the PyTorch path
+        ref = _step(make, False, x)
     _inject(monkeypatch, family, failure)
     for step in range(2):
         with warnings.catch_warnings(record=True) as caught:

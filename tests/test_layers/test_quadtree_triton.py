@@ -21,6 +21,7 @@ from conftest import import_interpreted
 _, qt = import_interpreted('triton', 'flatten_mm.models.ops.quadtree_triton')
 from benchmarks.core.profiling import saved_for_backward  # noqa: E402
 from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
+from flatten_mm.models.ops import quadtree_cpu as cpu_kernels  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
 from flatten_mm.models.ops import dispatch  # noqa: E402
 from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
@@ -405,7 +406,9 @@ def test_b_training_saves_no_level_weights_or_int64_indices():
         return [t for t in kept if tuple(t.shape) in shapes
                 and t.untyped_storage().data_ptr() not in inputs]
 
-    (with_kernels, inputs), (pytorch_path, inputs_p) = saved(True), saved(False)
+    with_kernels, inputs = saved(True)
+    with cpu_kernels.use_cpu_kernels(False):  # the batched PyTorch path (other devices)
+        pytorch_path, inputs_p = saved(False)
     assert not level_weights(with_kernels), [t.shape for t in level_weights(with_kernels)]
     assert not [t for t in with_kernels if t.dtype == torch.int64]
     # the kernels keep the parent lists (Kp = a coarser level's top-k entries), never the
