@@ -592,7 +592,7 @@ def _finer_level(run: _CoreRun, i: int, query: torch.Tensor, key: torch.Tensor,
     # float32 copy of both maps first; a PyTorch fallback casts them)
     if run.inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
         msg = _level_in_chunks(run, i, query, k, v, final)
-    elif not kernels and _cpu_kernel_trains(run, k):
+    elif not kernels and _uses_cpu_kernels(run, k):
         msg = _level_cpu_train(run, i, query, k, v, final)
     else:
         q = level_queries(query, run.h, run.temp)  # (B, h, L, 4, d), pre-scaled
@@ -626,19 +626,18 @@ def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor
         init = run.lepe(i).contiguous()
         run.lepe_added.add(i)
     level = _finer_level_inference
-    if k.device.type == 'cpu' and run.margin_recorder is None:
-        kernel = cpu_kernels.quadtree_level_kernel()
-        if kernel is not None:
-            level = functools.partial(_finer_level_cpu_kernel, kernel)
+    if _uses_cpu_kernels(run, k):
+        level = functools.partial(_finer_level_cpu_kernel, cpu_kernels.quadtree_level_kernel())
     msg, run.prev_idx, run.prev_score = level(
         query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp, run.attn_type,
         None if final else run.topks[i], run.margin_recorder, i, init)
     return msg
 
 
-def _cpu_kernel_trains(run: _CoreRun, k: torch.Tensor) -> bool:
-    """Whether a training level runs the compiled CPU kernels (``_level_cpu_train``): on
-    CPU, without margin recording, when they are built and enabled."""
+def _uses_cpu_kernels(run: _CoreRun, k: torch.Tensor) -> bool:
+    """Whether a level without the Triton kernels runs the compiled CPU kernels (inference
+    in ``_level_in_chunks``, training in ``_level_cpu_train``): on CPU, without margin
+    recording, when they are built and enabled."""
     return (k.device.type == 'cpu' and run.margin_recorder is None
             and cpu_kernels.quadtree_level_kernel() is not None)
 
