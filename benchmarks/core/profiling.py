@@ -65,6 +65,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
+from flatten_mm.models.ops.autograd_paths import observes_saved
+
 from .train import _autocast, make_optimizer, output_loss, output_tensors
 
 _BLOCK = re.compile(r'(Block|EncoderLayer)$')
@@ -89,6 +91,7 @@ def saved_for_backward(exclude: Sequence[torch.Tensor] = ()) -> Iterator[Dict[in
     resident = {t.untyped_storage().data_ptr() for t in exclude}
     saved: Dict[int, int] = {}
 
+    @observes_saved  # (our layers' recomputed tensors are not shown: they are not kept)
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in resident:

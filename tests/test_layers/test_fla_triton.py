@@ -337,13 +337,17 @@ def _projected_calls(monkeypatch):
 
 def _unfused(monkeypatch):
     """The kernels of the core with the projection, split and DWC left to autograd (the
-    path before ``fla_projected_triton``) while the block is active."""
+    path before ``fla_projected_triton``; the DWC as torch's convolution, not the CPU
+    path's ``DepthwiseConvCPU``) while the block is active."""
     import contextlib
+
+    from flatten_mm.models.layers import conv
 
     @contextlib.contextmanager
     def ctx():
         with monkeypatch.context() as mp:
             mp.setattr(fla, '_projected_path', lambda *a: False)
+            mp.setattr(conv, '_fast_depthwise', lambda *a: False)
             yield
     return ctx()
 

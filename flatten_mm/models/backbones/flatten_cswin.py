@@ -143,6 +143,10 @@ class FLattenCSWin(DoublingStageBackbone):
             backward instead of kept (``PVTMlp``): the same outputs and gradients, a third
             less MLP activation memory for one elementwise pass per block in the backward;
             ``False`` keeps it, as timm / mmdet do.
+        recompute_norms: when training, each block's LayerNorm outputs are recomputed in
+            the backward instead of kept (``PreNormBlock``): the same outputs and
+            gradients, two activations less per block for two LayerNorms in the
+            backward; ``False`` keeps them, as timm / mmdet do.
         init_cfg: e.g. ``dict(type='Pretrained', checkpoint='converted.pth')`` with a
             checkpoint produced by ``tools/convert_checkpoint.py``.
     """
@@ -182,6 +186,7 @@ class FLattenCSWin(DoublingStageBackbone):
                  frozen_stages: int = -1,
                  with_cp: bool = False,
                  recompute_mlp_act: bool = True,
+                 recompute_norms: bool = True,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         settings = self._setup(arch, in_channels, attn_cfg, pretrain_img_size, out_indices,
@@ -203,7 +208,8 @@ class FLattenCSWin(DoublingStageBackbone):
                     split_size=self.split_size, pretrain_hw_shape=self.stage_grid(i))
                 blocks.append(PreNormBlock(dims, attn, mlp_ratio=mlp_ratio, drop_rate=drop_rate,
                                            drop_path=dpr[cur + j],
-                                           recompute_mlp_act=recompute_mlp_act))
+                                           recompute_mlp_act=recompute_mlp_act,
+                                           recompute_norms=recompute_norms))
             self.stages.append(CSWinStage(embed, blocks))
             cur += self.depths[i]
             prev = dims

@@ -32,8 +32,21 @@ class _GELULinear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         dw = g2.t().mm(a.reshape(-1, a.shape[-1]))
         db = g2.sum(0) if ctx.has_bias else None
-        dz = torch.ops.aten.gelu_backward(grad.matmul(weight), z, approximate=ctx.approximate)
-        return dz, dw, db, None
+        return _gelu_input_grad(grad, weight, z, a, ctx.approximate), dw, db, None
+
+
+def _gelu_input_grad(grad: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+                     buffer: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``gelu_backward(grad @ weight, z)`` written into ``buffer`` (the recomputed GELU
+    output, no longer needed, of ``z``'s shape): one hidden-size buffer for the backward
+    instead of three fresh ones (each a page-faulted allocation for large maps on CPU);
+    the same kernels, so the same values."""
+    if buffer.dtype != torch.promote_types(grad.dtype, weight.dtype) \
+            or not buffer.is_contiguous():
+        return torch.ops.aten.gelu_backward(grad.matmul(weight), z, approximate=approximate)
+    torch.matmul(grad, weight, out=buffer)
+    return torch.ops.aten.gelu_backward.grad_input(buffer, z, approximate=approximate,
+                                                  grad_input=buffer)
 
 
 class _DWConvGELULinear(torch.autograd.Function):
@@ -66,7 +79,8 @@ class _DWConvGELULinear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         dw = g2.t().mm(a.reshape(-1, a.shape[-1]))
         db = g2.sum(0) if has_bias else None
-        dz = torch.ops.aten.gelu_backward(grad.matmul(weight), z, approximate=approximate)
+        dz = _gelu_input_grad(grad, weight, z, a, approximate)
+        del a
         needs = ctx.needs_input_grad
         img = tokens_as_map(u, hw_shape)
         du, dcw, dcb = torch.ops.aten.convolution_backward(

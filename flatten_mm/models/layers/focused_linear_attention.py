@@ -24,6 +24,8 @@ or ``FLATTEN_MM_TRITON=0`` (environment) selects the PyTorch path. With the kern
 the backward rather than keeping them, and ``FocusedLinearAttentionQKV`` Q, K, V
 (``fla_projected_triton``).
 """
+import contextlib
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -31,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import dispatch
+from ..ops.autograd_paths import recomputed_when_saved, recorded_eagerly
 from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import depthwise_conv, repeat_depthwise, token_conv
 from .focused_linear_function import FocusedLinearCore
@@ -257,6 +260,27 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out if residual is None else out + residual.to(out_dtype)
 
 
+def _table_recomputed(pe: torch.Tensor, again) -> contextlib.AbstractContextManager:
+    """Around the core: a positional table resized in this forward (``pe``, ``(1, n, C)``,
+    as large as the keys) is not kept for the backward, whose key gradient needs it; the
+    backward resizes it again (``again()``, from the parameter: the same values). The
+    stored table itself (the pretraining grid) is a parameter, kept anyway."""
+    if pe.grad_fn is None or not recorded_eagerly(pe):
+        return contextlib.nullcontext()
+    return recomputed_when_saved(pe, again)
+
+
+def _projection_recomputed(qkv: torch.Tensor, x: torch.Tensor,
+                           layer: nn.Linear) -> contextlib.AbstractContextManager:
+    """Around the attention of ``qkv = layer(x)``: q, k, v are not kept for the backward
+    (the core and the DWC would keep them, three ``(B, N, C)`` activations); the backward
+    projects ``x`` again (kept by ``layer`` anyway, or recomputed by the block) -- what the
+    Triton path's ``fla_projected_triton`` does on CUDA -- for one projection more."""
+    if not recorded_eagerly(qkv):
+        return contextlib.nullcontext()
+    return recomputed_when_saved(qkv, F.linear, x, layer.weight, layer.bias)
+
+
 def _projected_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the projection of ``x`` runs in (autocast's, inside a region)."""
     dev = x.device.type
@@ -448,8 +472,12 @@ class FocusedLinearAttention(KVReductionMixin, nn.Module):
             v_img = F.interpolate(v_img, size=N, mode='linear', align_corners=False)
             v_img = v_img.reshape(B * h, d, hw_shape[0], hw_shape[1])
             dwc = depthwise_conv(self.dwc, v_img).reshape(B, C, N).transpose(1, 2)
-        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
-                                  k_pos=pe, use_triton=self.use_triton, residual=dwc)
+        with _table_recomputed(pe, functools.partial(
+                resize_pos_table, self.positional_encoding, self.pe_hw_shape, kv_hw,
+                self.pe_interp_mode)):
+            out = focused_linear_core(q, k, v, self.scale, self.num_heads,
+                                      self.focusing_factor, k_pos=pe, use_triton=self.use_triton,
+                                      residual=dwc)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
@@ -576,8 +604,10 @@ class _FocusedLinearRegion(nn.Module):
         if pe is None:
             pe = self.region_pos_table(hw_shape)
         dwc = token_conv(self.dwc, v, hw_shape, repeat=self.num_heads)
-        out = focused_linear_core(q, k, v, self.scale, self.num_heads, self.focusing_factor,
-                                  k_pos=pe, use_triton=self.use_triton, residual=dwc)
+        with _table_recomputed(pe, functools.partial(self.region_pos_table, hw_shape)):
+            out = focused_linear_core(q, k, v, self.scale, self.num_heads,
+                                      self.focusing_factor, k_pos=pe, use_triton=self.use_triton,
+                                      residual=dwc)
         if self.get_v is not None:
             out = out + token_conv(self.get_v, v, hw_shape).to(out.dtype)
         return out
@@ -676,8 +706,10 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
             out = _run_projected(self.use_triton, None, x, self.scale, self.num_heads,
                                  self.focusing_factor, hw_shape, pe, self.qkv, self.dwc)
         if out is None:
-            q, k, v = self.qkv(x).chunk(3, dim=-1)
-            out = self.attend_region(q, k, v, hw_shape, pe)
+            qkv = self.qkv(x)
+            with _projection_recomputed(qkv, x, self.qkv):
+                q, k, v = qkv.chunk(3, dim=-1)
+                out = self.attend_region(q, k, v, hw_shape, pe)
         return self.proj_drop(self.proj(out))
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:
