@@ -27,30 +27,34 @@ from torch.autograd.function import once_differentiable
 
 
 def _features(x: torch.Tensor, inv_scale: torch.Tensor, p: int):
-    """``(a, b, y, nb, ny)``: ``a = ReLU(x) + 1e-6``, ``b = a s``, ``y = b^p`` and the
-    per-token norms of ``b`` and ``y``."""
-    a = F.relu(x).add_(1e-6)
-    b = a * inv_scale
+    """``(b, y, nb, ny)``: ``b = (ReLU(x) + 1e-6) s``, ``y = b^p`` and the per-token norms
+    of ``b`` and ``y`` (two new buffers)."""
+    b = F.relu(x).add_(1e-6).mul_(inv_scale)
     y = b.pow(p)
     nb = torch.linalg.vector_norm(b, dim=-1, keepdim=True)
     ny = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
-    return a, b, y, nb, ny
+    return b, y, nb, ny
 
 
 def _features_backward(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
                        feats, dy: torch.Tensor, dr: torch.Tensor
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``x`` and of ``s`` (summed to ``s``'s shape) from those of ``y`` and
-    ``r`` (see the module docstring)."""
-    a, b, y, nb, ny = feats
+    ``r`` (see the module docstring), with three new ``x``-sized buffers (``x``'s
+    gradient among them)."""
+    b, y, nb, ny = feats
     # grouped so that no power of ||y|| beyond the first is formed: for a token whose
     # channels are all <= 0, ||y|| ~ 1e-18 (p = 3) and ||y||^3 would underflow
     dr_ny = dr / ny
-    db = b.pow(p - 1).mul_(p).mul_(dy - (dr_ny * (nb / ny)) * (y / ny))
-    db += dr_ny * (b / nb)
-    ds = (db * a).sum(dim=tuple(range(db.dim() - 1)), keepdim=True)
-    # ReLU's own backward: zero where x <= 0 (NaN passes), one fused pass
-    dx = torch.ops.aten.threshold_backward(db.mul_(inv_scale), x, 0)
+    # db / p = b^(p-1) (dy - c y) + (dr_ny / (p ||b||)) b, c = dr_ny ||b|| / ||y||^2
+    db = b.pow(p - 1).mul_(torch.addcmul(dy, y, (dr_ny * (nb / ny)) / ny, value=-1))
+    db.addcmul_(b, dr_ny / (nb * p))
+    # ds = sum(db (ReLU(x) + 1e-6)) = sum(db b) / s per channel
+    dims = tuple(range(db.dim() - 1))
+    ds = (db * b).sum(dim=dims, keepdim=True).mul_(p).div_(inv_scale)
+    # ReLU's own backward: zero where x <= 0 (NaN passes), one fused pass in place
+    db.mul_(inv_scale * p)
+    dx = torch.ops.aten.threshold_backward.grad_input(db, x, 0, grad_input=db)
     return dx, ds
 
 
@@ -75,13 +79,13 @@ class FocusedLinearCore(torch.autograd.Function):
         h, p = num_heads, focusing_factor
         inv_scale = 1.0 / F.softplus(scale.to(dt))
         kf = k.to(dt) if k_pos is None else k.to(dt) + k_pos.to(dt)
-        _, _, yk, nbk, nyk = _features(kf, inv_scale, p)
+        _, yk, nbk, nyk = _features(kf, inv_scale, p)
         kh = _heads(yk.mul_(nbk.div_(nyk)), h)  # phi(K) per head
         n = kh.shape[2]
         kv = (kh.transpose(-2, -1) @ _heads(v.to(dt), h)).div_(n)
         k_mean = kh.mean(dim=-2, keepdim=True).transpose(-2, -1)
         del kf, yk, kh
-        _, _, yq, nbq, nyq = _features(q.to(dt), inv_scale, p)
+        _, yq, nbq, nyq = _features(q.to(dt), inv_scale, p)
         qh = _heads(yq, h)
         den = (qh @ k_mean).add_((1e-6 * nyq / nbq).unsqueeze(1))
         out = _merge((qh @ kv).div_(den))
@@ -100,7 +104,7 @@ class FocusedLinearCore(torch.autograd.Function):
         # ---- queries: out = num / den, num = y_q KV, den = y_q . m + 1e-6 / r_q
         qf = q.to(dt)
         fq = _features(qf, inv_scale, p)
-        yq, nbq, nyq = fq[2], fq[3], fq[4]
+        yq, nbq, nyq = fq[1:]
         qh = _heads(yq, h)
         eps = (1e-6 * nyq / nbq).unsqueeze(1)  # 1e-6 / r_q, (B, 1, N, 1)
         den = (qh @ k_mean).add_(eps)
@@ -118,7 +122,7 @@ class FocusedLinearCore(torch.autograd.Function):
         # ---- keys: KV = phi(K)^T V / n, m = mean(phi(K)); phi(K) = r_k y_k
         kf = k.to(dt) if k_pos is None else k.to(dt) + k_pos.to(dt)
         fk = _features(kf, inv_scale, p)
-        yk, nbk, nyk = fk[2], fk[3], fk[4]
+        yk, nbk, nyk = fk[1:]
         rk = nbk / nyk
         vh = _heads(v.to(dt), h)
         n = vh.shape[2]
