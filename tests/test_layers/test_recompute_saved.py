@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from flatten_mm.models.backbones import FLattenCSWin, FLattenSwin
+from flatten_mm.models.backbones import FLattenCSWin, FLattenPVTv2, FLattenSwin
 from flatten_mm.models.layers import conv as conv_mod
 from flatten_mm.models.layers import focused_linear_attention as fla_mod
 from flatten_mm.models.layers.focused_linear_attention import FocusedLinearAttentionQKV
@@ -197,18 +197,23 @@ def _backbone_grads(model, x):
 
 
 @pytest.mark.parametrize('with_cp', [False, True])
-@pytest.mark.parametrize('cls', [FLattenSwin, FLattenCSWin])
+@pytest.mark.parametrize('cls', [FLattenSwin, FLattenCSWin, FLattenPVTv2])
 def test_backbones_recompute_norms_same_gradients(cls, with_cp):
-    """FLatten-Swin and FLatten-CSwin, float32, with and without ``with_cp``: outputs and
-    all gradients with the default recomputation (norms, FLA q / k / v and tables, the
-    CPU depth-wise conv backward) equal those with ``recompute_norms=False`` and the
-    plain depth-wise conv within float32 rounding."""
+    """FLatten-Swin, FLatten-CSwin and FLatten-PVTv2, float32, with and without
+    ``with_cp``: outputs and all gradients with the default recomputation (norms, FLA
+    q / k / v and resized tables, the CPU depth-wise conv backward) equal those with
+    ``recompute_norms=False`` (Swin, CSwin), the FLA contexts off and the plain depth-wise
+    conv within float32 rounding."""
     torch.manual_seed(0)
     arch = dict(embed_dims=16, depths=(1, 2, 1, 1), num_heads=(2, 2, 4, 4))
     kwargs = dict(window_size=4) if cls is FLattenSwin else dict(split_size=4)
+    plain_kwargs = dict(recompute_norms=False)
+    if cls is FLattenPVTv2:
+        arch = dict(embed_dims=(8, 16, 24, 32), depths=(1, 2, 1, 1), num_heads=(1, 2, 2, 4),
+                    mlp_ratios=(2, 2, 2, 2))
+        kwargs, plain_kwargs = {}, {}
     lean = _random_norms(cls(arch=arch, drop_path_rate=0., with_cp=with_cp, **kwargs))
-    plain = cls(arch=arch, drop_path_rate=0., with_cp=with_cp, recompute_norms=False,
-                **kwargs)
+    plain = cls(arch=arch, drop_path_rate=0., with_cp=with_cp, **plain_kwargs, **kwargs)
     plain.load_state_dict(lean.state_dict())
     lean.train(), plain.train()
     x = torch.randn(2, 3, 60, 52, requires_grad=True)
