@@ -299,9 +299,10 @@ def test_reduced_keys_operator_with_kernels_matches_pytorch_path(monkeypatch):
         results.append((out, grads))
     (out_t, grads_t), (out_p, grads_p) = results
     torch.testing.assert_close(out_t, out_p, rtol=1e-5, atol=1e-5)
+    # (two float32 computations of the same gradients, each ~1e-6 norm-wise from float64:
+    # compared on the scale of each tensor, as the projected operators' test does)
     for name in grads_p:
-        torch.testing.assert_close(grads_t[name], grads_p[name], rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, n=name: f'{n}: {m}')
+        assert _max_rel(grads_t[name], grads_p[name]) < 1e-5, name
     assert len(calls) == 1
 
 
