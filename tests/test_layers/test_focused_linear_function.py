@@ -167,3 +167,38 @@ def test_backbones_train_as_with_the_op_by_op_core(cls_name, with_cp, monkeypatc
     for name in grads:  # relative to the gradient's largest magnitude
         err = (grads[name] - ref_grads[name]).abs().max() / ref_grads[name].abs().max()
         assert err < 1e-4, (name, err.item())
+
+
+def test_backward_inside_autocast_runs_as_outside():
+    """A backward called inside a bf16 autocast region (as in a step that wraps both
+    passes) computes the core's gradients in float32, as one outside it: equal bit for
+    bit (and no error from a GEMM cast to bf16 under the hood)."""
+    ins = [t.detach().float().requires_grad_() for t in _inputs(2, 40, 24, 16, True)]
+    grad = torch.randn(2, 40, 16, dtype=torch.float32)
+    want = torch.autograd.grad(focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4]),
+                               ins, grad)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4])
+        got = torch.autograd.grad(out, ins, grad)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)
+
+
+def test_backends_without_strided_gemm_outputs_get_the_same_results(monkeypatch):
+    """Where GEMMs may not write head-strided views (``strided_out_ok`` false: MPS and the
+    other non-CPU / CUDA backends), the copying branch gives the formula's outputs and
+    gradients, with autograd and without."""
+    from flatten_mm.models.layers import focused_linear_function as flf
+    for mod in (flf, fla):
+        monkeypatch.setattr(mod, 'strided_out_ok', lambda out: False)
+    ins = _inputs(2, 35, 12, 32, True)
+    out = focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4])
+    ref = _reference(ins, 4, 3, True)
+    grad = torch.randn_like(ref)
+    for a, b in zip((out, *torch.autograd.grad(out, ins, grad)),
+                    (ref, *torch.autograd.grad(ref, ins, grad))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        plain = fla.focused_linear_core(*ins[:4], 4, 3, k_pos=ins[4])
+    torch.testing.assert_close(plain, ref, rtol=1e-12, atol=1e-14)

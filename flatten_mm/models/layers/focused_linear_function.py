@@ -19,7 +19,7 @@ Per head, ``out = (y_q KV) / (y_q . m + 1e-6 / r_q)`` with ``KV = phi(K)^T V / n
 ``dx = db s`` where ``ReLU(x) > 0`` (NaN passes, as in torch's ReLU backward),
 ``ds = sum(db (ReLU(x) + 1e-6))`` and ``dscale = -ds s^2 sigmoid(scale)``.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,18 +40,19 @@ def _features_backward(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
                        feats, dy: torch.Tensor, dr: torch.Tensor
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``x`` and of ``s`` (summed to ``s``'s shape) from those of ``y`` and
-    ``r`` (see the module docstring), with three new ``x``-sized buffers (``x``'s
-    gradient among them)."""
+    ``r`` (see the module docstring), in place: ``x``'s gradient is written into ``dy``'s
+    buffer and ``y``'s buffer is the scratch space (both are the caller's temporaries),
+    so no new ``x``-sized buffer is made."""
     b, y, nb, ny = feats
     # grouped so that no power of ||y|| beyond the first is formed: for a token whose
     # channels are all <= 0, ||y|| ~ 1e-18 (p = 3) and ||y||^3 would underflow
     dr_ny = dr / ny
     # db / p = b^(p-1) (dy - c y) + (dr_ny / (p ||b||)) b, c = dr_ny ||b|| / ||y||^2
-    db = b.pow(p - 1).mul_(torch.addcmul(dy, y, (dr_ny * (nb / ny)) / ny, value=-1))
-    db.addcmul_(b, dr_ny / (nb * p))
+    db = dy.addcmul_(y, (dr_ny * (nb / ny)) / ny, value=-1)
+    db.mul_(torch.pow(b, p - 1, out=y)).addcmul_(b, dr_ny / (nb * p))
     # ds = sum(db (ReLU(x) + 1e-6)) = sum(db b) / s per channel
     dims = tuple(range(db.dim() - 1))
-    ds = (db * b).sum(dim=dims, keepdim=True).mul_(p).div_(inv_scale)
+    ds = torch.mul(db, b, out=y).sum(dim=dims, keepdim=True).mul_(p).div_(inv_scale)
     # ReLU's own backward: zero where x <= 0 (NaN passes), one fused pass in place
     db.mul_(inv_scale * p)
     dx = torch.ops.aten.threshold_backward.grad_input(db, x, 0, grad_input=db)
@@ -59,36 +60,68 @@ def _features_backward(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    """``(B, N, h*d)`` -> its ``(B, h, N, d)`` view (no copy)."""
     B, N, C = x.shape
     return x.view(B, N, h, C // h).transpose(1, 2)
 
 
-def _merge(x: torch.Tensor) -> torch.Tensor:
-    B, h, N, d = x.shape
-    return x.transpose(1, 2).reshape(B, N, h * d)
+def _heads_matmul(a: torch.Tensor, m: torch.Tensor, h: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ m`` per head, ``a`` ``(B, N, h*d)``, ``m`` ``(B, h, d, e)``, written in the
+    merged ``(B, N, h*e)`` layout (into ``out`` when given): the GEMMs read and write the
+    head-strided views directly, where ``_heads(a) @ m`` followed by a head merge would
+    copy twice. Call it on one sample at a time (``batch_chunks``) where ``h > 1``."""
+    if out is None:
+        out = a.new_empty(*a.shape[:2], h * m.shape[-1])
+    if strided_out_ok(out):
+        torch.matmul(_heads(a, h), m, out=_heads(out, h))
+    else:
+        _heads(out, h).copy_(_heads(a, h) @ m)
+    return out
+
+
+def strided_out_ok(out: torch.Tensor) -> bool:
+    """Whether GEMMs may write a head-strided view of ``out`` directly: on CPU and CUDA
+    (BLAS leading dimensions); other backends get a computed copy."""
+    return out.device.type in ('cpu', 'cuda')
+
+
+def batch_chunks(batch: int, num_heads: int) -> List[slice]:
+    """The batch in the pieces the per-head GEMMs take without copies: whole for one head
+    (the head views are plain ``(B, N, C)``), else one sample at a time -- a strided
+    ``(B, h, N, d)`` view does not fold into one BLAS batch, and ``matmul`` would compute
+    aside and copy back (measured: 2-3x the time of the per-sample calls at B = 2)."""
+    if num_heads == 1 or batch == 1:
+        return [slice(0, batch)]
+    return [slice(i, i + 1) for i in range(batch)]
+
+
+def _keys(k: torch.Tensor, k_pos: Optional[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
+    return k.to(dt) if k_pos is None else k.to(dt) + k_pos.to(dt)
 
 
 class FocusedLinearCore(torch.autograd.Function):
     """``focused_linear_core`` (PyTorch path) with a backward that recomputes the focused
     features: ``apply(q, k, v, scale, k_pos, num_heads, focusing_factor)``, ``k_pos``
-    ``None`` or ``(1, n, C)``; the output ``(B, N, C)`` is in ``v``'s dtype."""
+    ``None`` or ``(1, n, C)``; the output ``(B, N, C)`` is in ``v``'s dtype.
+
+    Both passes work in the merged ``(B, N, C)`` layout (per-head GEMMs on strided views,
+    ``batch_chunks`` at a time) and reuse their temporaries in place: at large ``N``
+    every fresh ``(N, C)`` buffer costs page faults, which made the op-by-op backward
+    several times its forward. The temporaries are those of one chunk."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, k_pos, num_heads: int, focusing_factor: int):
         dt = torch.promote_types(v.dtype, torch.float32)
         h, p = num_heads, focusing_factor
         inv_scale = 1.0 / F.softplus(scale.to(dt))
-        kf = k.to(dt) if k_pos is None else k.to(dt) + k_pos.to(dt)
-        _, yk, nbk, nyk = _features(kf, inv_scale, p)
-        kh = _heads(yk.mul_(nbk.div_(nyk)), h)  # phi(K) per head
-        n = kh.shape[2]
-        kv = (kh.transpose(-2, -1) @ _heads(v.to(dt), h)).div_(n)
-        k_mean = kh.mean(dim=-2, keepdim=True).transpose(-2, -1)
-        del kf, yk, kh
-        _, yq, nbq, nyq = _features(q.to(dt), inv_scale, p)
-        qh = _heads(yq, h)
-        den = (qh @ k_mean).add_((1e-6 * nyq / nbq).unsqueeze(1))
-        out = _merge((qh @ kv).div_(den))
+        out = q.new_empty(q.shape, dtype=dt)
+        chunks = batch_chunks(q.shape[0], h)
+        sums = [_key_sums(_keys(k[c], k_pos, dt), v[c].to(dt), inv_scale, h, p)
+                for c in chunks]
+        for c, (kv, k_mean) in zip(chunks, sums):
+            _query_forward(q[c].to(dt), kv, k_mean, inv_scale, h, p, out[c])
+        kv, k_mean = (torch.cat(t) for t in zip(*sums))
         ctx.save_for_backward(q, k, v, scale, k_pos, kv, k_mean)
         ctx.shape = (h, p, dt)
         return out.to(v.dtype)
@@ -96,41 +129,25 @@ class FocusedLinearCore(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
+        # in float32 (or float64) as the forward, whatever autocast the backward runs in
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            return FocusedLinearCore._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, scale, k_pos, kv, k_mean = ctx.saved_tensors
         h, p, dt = ctx.shape
         sc = scale.to(dt)
         inv_scale = 1.0 / F.softplus(sc)
-        g = _heads(grad_out.to(dt), h)
-        # ---- queries: out = num / den, num = y_q KV, den = y_q . m + 1e-6 / r_q
-        qf = q.to(dt)
-        fq = _features(qf, inv_scale, p)
-        yq, nbq, nyq = fq[1:]
-        qh = _heads(yq, h)
-        eps = (1e-6 * nyq / nbq).unsqueeze(1)  # 1e-6 / r_q, (B, 1, N, 1)
-        den = (qh @ k_mean).add_(eps)
-        num = qh @ kv
-        dnum = g / den
-        dden = -(dnum * num).sum(-1, keepdim=True).div_(den)
-        del num
-        dkv = qh.transpose(-2, -1) @ dnum
-        dk_mean = qh.transpose(-2, -1) @ dden
-        dyq = _merge(dnum @ kv.transpose(-2, -1) + dden * k_mean.transpose(-2, -1))
-        # d(1e-6 / r_q) / d r_q = -1e-6 / r_q^2, summed over the heads
-        drq = (dden.sum(1) * -1e-6 * (nyq / nbq).pow(2))
-        dq, ds = _features_backward(qf, inv_scale, p, fq, dyq, drq)
-        del fq, qh, yq, dyq, dnum, dden
-        # ---- keys: KV = phi(K)^T V / n, m = mean(phi(K)); phi(K) = r_k y_k
-        kf = k.to(dt) if k_pos is None else k.to(dt) + k_pos.to(dt)
-        fk = _features(kf, inv_scale, p)
-        yk, nbk, nyk = fk[1:]
-        rk = nbk / nyk
-        vh = _heads(v.to(dt), h)
-        n = vh.shape[2]
-        dphi = _merge((vh @ dkv.transpose(-2, -1)).add_(dk_mean.transpose(-2, -1))) / n
-        dv = _merge(_heads(yk * rk, h) @ dkv) / n if ctx.needs_input_grad[2] else None
-        dk, dsk = _features_backward(kf, inv_scale, p, fk, dphi * rk,
-                                     (dphi * yk).sum(-1, keepdim=True))
-        ds += dsk
+        dq = q.new_empty(q.shape, dtype=dt)
+        dk = k.new_empty(k.shape, dtype=dt)
+        dv = v.new_empty(v.shape, dtype=dt) if ctx.needs_input_grad[2] else None
+        ds = torch.zeros_like(sc)
+        for c in batch_chunks(q.shape[0], h):
+            dkv, dk_mean = _query_backward(q[c].to(dt), grad_out[c].to(dt), kv[c],
+                                           k_mean[c], inv_scale, h, p, dq[c], ds)
+            _key_backward(_keys(k[c], k_pos, dt), v[c].to(dt), dkv, dk_mean, inv_scale,
+                          h, p, dk[c], None if dv is None else dv[c], ds)
         dscale = None
         if ctx.needs_input_grad[3]:
             dscale = (ds * -inv_scale.pow(2) * torch.sigmoid(sc)).to(scale.dtype)
@@ -139,6 +156,67 @@ class FocusedLinearCore(torch.autograd.Function):
             dk_pos = dk.sum(0, keepdim=True).to(k_pos.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), None if dv is None else dv.to(v.dtype),
                 dscale, dk_pos, None, None)
+
+
+def _key_sums(kf, vf, inv_scale, h: int, p: int):
+    """``(KV, m)``: ``phi(K)^T V / n`` ``(B, h, d, d)`` and ``mean(phi(K))``
+    ``(B, h, d, 1)`` per head."""
+    _, yk, nbk, nyk = _features(kf, inv_scale, p)
+    kh = _heads(yk.mul_(nbk.div_(nyk)), h)  # phi(K) per head
+    kv = (kh.transpose(-2, -1) @ _heads(vf, h)).div_(kh.shape[2])
+    return kv, kh.mean(dim=-2, keepdim=True).transpose(-2, -1)
+
+
+def _query_forward(qf, kv, k_mean, inv_scale, h: int, p: int, out: torch.Tensor) -> None:
+    """``out = y_q KV / (y_q . m + 1e-6 / r_q)`` per head, into ``out``."""
+    _, yq, nbq, nyq = _features(qf, inv_scale, p)
+    den = (_heads(yq, h) @ k_mean).add_((1e-6 * nyq / nbq).unsqueeze(1))
+    _heads(_heads_matmul(yq, kv, h, out=out), h).div_(den)
+
+
+def _query_backward(qf, g, kv, k_mean, inv_scale, h: int, p: int, dq: torch.Tensor,
+                    ds: torch.Tensor):
+    """Queries' side: ``out = num / den``, ``num = y_q KV``, ``den = y_q . m + 1e-6 / r_q``
+    per head. Writes ``dq``, adds to ``ds`` and returns ``(dKV, dm)``; four temporaries
+    of ``qf``'s size."""
+    B, N = qf.shape[:2]
+    fq = _features(qf, inv_scale, p)
+    yq, nbq, nyq = fq[1:]
+    qh = _heads(yq, h)
+    den = (qh @ k_mean).add_((1e-6 * nyq / nbq).unsqueeze(1))  # (B, h, N, 1)
+    num = _heads_matmul(yq, kv, h)
+    dnum = torch.empty_like(num)
+    torch.div(_heads(g, h), den, out=_heads(dnum, h))
+    # d den = -sum(dnum num) / den per head, (B, h, N, 1)
+    dden = num.mul_(dnum).view(B, N, h, -1).sum(-1).transpose(1, 2).unsqueeze(-1)
+    dden = dden.div_(den).neg_()
+    del num
+    dkv = qh.transpose(-2, -1) @ _heads(dnum, h)
+    dk_mean = qh.transpose(-2, -1) @ dden
+    dyq = _heads_matmul(dnum, kv.transpose(-2, -1), h, out=dq)
+    del dnum
+    _heads(dyq, h).addcmul_(dden, k_mean.transpose(-2, -1))
+    # d(1e-6 / r_q) / d r_q = -1e-6 / r_q^2, summed over the heads
+    drq = dden.sum(1) * -1e-6 * (nyq / nbq).pow(2)
+    ds += _features_backward(qf, inv_scale, p, fq, dyq, drq)[1]
+    return dkv, dk_mean
+
+
+def _key_backward(kf, vf, dkv, dk_mean, inv_scale, h: int, p: int, dk: torch.Tensor,
+                  dv: Optional[torch.Tensor], ds: torch.Tensor) -> None:
+    """Keys' side: ``KV = phi(K)^T V / n``, ``m = mean(phi(K))``,
+    ``phi(K) = r_k y_k``. Writes ``dk`` and ``dv`` (when given), adds to ``ds``."""
+    fk = _features(kf, inv_scale, p)
+    yk, nbk, nyk = fk[1:]
+    n = kf.shape[1]
+    rk_n = (nbk / nyk).div_(n)  # r_k / n, (B, n, 1)
+    if dv is not None:
+        _heads_matmul(yk, dkv, h, out=dv).mul_(rk_n)
+    dphi_n = _heads_matmul(vf, dkv.transpose(-2, -1), h, out=dk)  # n dphi(K), less m's
+    _heads(dphi_n, h).add_(dk_mean.transpose(-2, -1))
+    # dy_k = dphi r_k, dr_k = sum(dphi y_k)
+    drk = torch.linalg.vecdot(dphi_n, yk, dim=-1).unsqueeze(-1).div_(n)
+    ds += _features_backward(kf, inv_scale, p, fk, dphi_n.mul_(rk_n), drk)[1]
 
 
 def focused_linear_core_lean(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
