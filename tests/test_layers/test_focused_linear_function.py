@@ -185,13 +185,19 @@ def test_backward_inside_autocast_runs_as_outside():
         assert torch.equal(a, b)
 
 
-def test_backends_without_strided_gemm_outputs_get_the_same_results(monkeypatch):
-    """Where GEMMs may not write head-strided views (``strided_out_ok`` false: MPS and the
-    other non-CPU / CUDA backends), the copying branch gives the formula's outputs and
-    gradients, with autograd and without."""
+@pytest.mark.parametrize('strided,per_sample', [(False, False), (True, True), (False, True)])
+def test_every_gemm_branch_gives_the_formula(monkeypatch, strided, per_sample):
+    """Each branch of the head GEMMs gives the formula's outputs and gradients, with
+    autograd and without: GEMMs writing head-strided views or not (``strided_out_ok``
+    false: MPS and the other non-CPU / CUDA backends), the batch whole or one sample at a
+    time (``batch_chunks``, by default only for maps of ``PER_SAMPLE_NUMEL`` and more)."""
     from flatten_mm.models.layers import focused_linear_function as flf
-    for mod in (flf, fla):
-        monkeypatch.setattr(mod, 'strided_out_ok', lambda out: False)
+    if not strided:
+        for mod in (flf, fla):
+            monkeypatch.setattr(mod, 'strided_out_ok', lambda out: False)
+    if per_sample:
+        monkeypatch.setattr(flf, 'PER_SAMPLE_NUMEL', 0)
+    assert len(flf.batch_chunks(2, 4, 35, 32)) == (2 if per_sample else 1)
     ins = _inputs(2, 35, 12, 32, True)
     out = focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4])
     ref = _reference(ins, 4, 3, True)
@@ -202,3 +208,12 @@ def test_backends_without_strided_gemm_outputs_get_the_same_results(monkeypatch)
     with torch.no_grad():
         plain = fla.focused_linear_core(*ins[:4], 4, 3, k_pos=ins[4])
     torch.testing.assert_close(plain, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_batch_chunks_split_only_large_multi_head_batches():
+    from flatten_mm.models.layers.focused_linear_function import PER_SAMPLE_NUMEL, batch_chunks
+    big = PER_SAMPLE_NUMEL // 64
+    assert batch_chunks(3, 4, big, 64) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert batch_chunks(3, 1, big, 64) == [slice(0, 3)]  # one head: the views fold
+    assert batch_chunks(1, 4, big, 64) == [slice(0, 1)]
+    assert batch_chunks(3, 4, big - 1, 64) == [slice(0, 3)]  # small maps: one call

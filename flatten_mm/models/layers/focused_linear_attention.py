@@ -228,7 +228,7 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             out = _core_no_grad(q, k, v, inv_scale, k_pos, h, focusing_factor, dt)
         else:
             out = q.new_empty(B, N, C, dtype=dt)
-            for c in batch_chunks(B, h):
+            for c in batch_chunks(B, h, max(N, k.shape[1]), C):
                 _core_no_grad(q[c], k[c], v[c], inv_scale, k_pos, h, focusing_factor, dt,
                               out=out[c])
     out = out.to(out_dtype)

@@ -70,7 +70,7 @@ def _heads_matmul(a: torch.Tensor, m: torch.Tensor, h: int,
     """``a @ m`` per head, ``a`` ``(B, N, h*d)``, ``m`` ``(B, h, d, e)``, written in the
     merged ``(B, N, h*e)`` layout (into ``out`` when given): the GEMMs read and write the
     head-strided views directly, where ``_heads(a) @ m`` followed by a head merge would
-    copy twice. Call it on one sample at a time (``batch_chunks``) where ``h > 1``."""
+    copy twice. Call it on the ``batch_chunks`` of a batch."""
     if out is None:
         out = a.new_empty(*a.shape[:2], h * m.shape[-1])
     if strided_out_ok(out):
@@ -86,12 +86,20 @@ def strided_out_ok(out: torch.Tensor) -> bool:
     return out.device.type in ('cpu', 'cuda')
 
 
-def batch_chunks(batch: int, num_heads: int) -> List[slice]:
+#: per-sample activations (tokens x channels) from which a multi-head batch is processed
+#: one sample at a time; below it the per-sample calls cost more than the copies they
+#: save (measured on CPU: 0.65-0.75x the time per-sample at 1024 x 160 and above, 1.3-1.6x
+#: at 256 x 256 and below, batch 8-16)
+PER_SAMPLE_NUMEL = 1 << 17
+
+
+def batch_chunks(batch: int, num_heads: int, tokens: int, channels: int) -> List[slice]:
     """The batch in the pieces the per-head GEMMs take without copies: whole for one head
-    (the head views are plain ``(B, N, C)``), else one sample at a time -- a strided
-    ``(B, h, N, d)`` view does not fold into one BLAS batch, and ``matmul`` would compute
-    aside and copy back (measured: 2-3x the time of the per-sample calls at B = 2)."""
-    if num_heads == 1 or batch == 1:
+    (the head views are plain ``(B, N, C)``) or small maps, else one sample at a time --
+    a strided ``(B, h, N, d)`` view does not fold into one BLAS batch, and ``matmul``
+    computes aside and copies back (2-3x the time of the per-sample calls at B = 2 and
+    16384 x 96)."""
+    if num_heads == 1 or batch == 1 or tokens * channels < PER_SAMPLE_NUMEL:
         return [slice(0, batch)]
     return [slice(i, i + 1) for i in range(batch)]
 
@@ -116,7 +124,7 @@ class FocusedLinearCore(torch.autograd.Function):
         h, p = num_heads, focusing_factor
         inv_scale = 1.0 / F.softplus(scale.to(dt))
         out = q.new_empty(q.shape, dtype=dt)
-        chunks = batch_chunks(q.shape[0], h)
+        chunks = batch_chunks(q.shape[0], h, max(q.shape[1], k.shape[1]), q.shape[2])
         sums = [_key_sums(_keys(k[c], k_pos, dt), v[c].to(dt), inv_scale, h, p)
                 for c in chunks]
         for c, (kv, k_mean) in zip(chunks, sums):
@@ -143,7 +151,7 @@ class FocusedLinearCore(torch.autograd.Function):
         dk = k.new_empty(k.shape, dtype=dt)
         dv = v.new_empty(v.shape, dtype=dt) if ctx.needs_input_grad[2] else None
         ds = torch.zeros_like(sc)
-        for c in batch_chunks(q.shape[0], h):
+        for c in batch_chunks(q.shape[0], h, max(q.shape[1], k.shape[1]), q.shape[2]):
             dkv, dk_mean = _query_backward(q[c].to(dt), grad_out[c].to(dt), kv[c],
                                            k_mean[c], inv_scale, h, p, dq[c], ds)
             _key_backward(_keys(k[c], k_pos, dt), v[c].to(dt), dkv, dk_mean, inv_scale,
