@@ -36,9 +36,9 @@ from ..ops import dispatch
 from ..ops.autograd_paths import recomputed_when_saved, recorded_eagerly
 from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import depthwise_conv, repeat_depthwise, token_conv
-from .focused_linear_function import FocusedLinearCore, batch_chunks, strided_out_ok
+from .focused_linear_function import FocusedLinearCore, core_forward
 from .kv_reduction import KVReductionMixin
-from .pos_embed import _is_compiling, resize_loaded_pos_table, resize_pos_table
+from .pos_embed import resize_loaded_pos_table, resize_pos_table
 from .window import (crop_padding, effective_shift, pad_to_multiple, window_partition,
                      window_reverse)
 
@@ -141,20 +141,6 @@ def focused_linear_core_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return merge_heads(out).to(out_dtype)
 
 
-def _kernel_parts(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
-                  owned: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``y = ((ReLU(x) + 1e-6) / softplus(scale))^p`` and the per-token factor
-    ``r = ||base|| / ||y||`` with ``phi_p(x) = r * y``, computed in place on one new
-    buffer (no autograd); ``owned`` says that ``x`` itself is a temporary of the caller
-    and may be overwritten."""
-    y = x.relu_() if owned else F.relu(x)
-    y.add_(1e-6).mul_(inv_scale)
-    norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
-    y = y.pow_(p)
-    norm_p = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
-    return y, norm.div_(norm_p)
-
-
 def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: torch.Tensor, num_heads: int,
                         focusing_factor: int,
@@ -165,7 +151,7 @@ def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Fused form of ``focused_linear_core_reference`` (same maths, rounding-level
     differences): with ``phi_p(x) = r(x) * y(x)`` (``y`` the powered base, ``r`` a
-    per-token scalar, see ``_kernel_parts``), the query factor ``r_q`` cancels in
+    per-token scalar, see ``focused_linear_function.kernel_parts``), the query factor ``r_q`` cancels in
     ``phi(q) KV / (phi(q) . mean(phi(K)) + 1e-6)`` except in the epsilon, which becomes
     ``1e-6 / r_q``; so ``phi(q)`` is never materialised. Without autograd the kernel
     runs in place on one buffer per side, keys first (their features are freed before
@@ -211,10 +197,8 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                residual: Optional[torch.Tensor]) -> torch.Tensor:
     """The PyTorch path of ``focused_linear_core`` (the reference of the kernels): under
     autograd ``FocusedLinearCore``, which keeps only its inputs for the backward; without
-    it, ``_core_no_grad`` on ``batch_chunks`` of the batch."""
+    it, ``core_forward`` (in place on one buffer per side)."""
     out_dtype = v.dtype
-    B, N, C = q.shape
-    h = num_heads
     with torch.autocast(device_type=q.device.type, enabled=False):
         # at least float32 (float64 inputs stay float64)
         dt = torch.promote_types(v.dtype, torch.float32)
@@ -224,55 +208,9 @@ def _focused_linear_core_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             out = FocusedLinearCore.apply(q, k, v, scale, k_pos, num_heads, focusing_factor)
             return out if residual is None else out + residual.to(out_dtype)
         inv_scale = 1.0 / F.softplus(scale.to(dt))
-        if _is_compiling():  # (no out= under torch.compile)
-            out = _core_no_grad(q, k, v, inv_scale, k_pos, h, focusing_factor, dt)
-        else:
-            out = q.new_empty(B, N, C, dtype=dt)
-            for c in batch_chunks(B, h, max(N, k.shape[1]), C):
-                _core_no_grad(q[c], k[c], v[c], inv_scale, k_pos, h, focusing_factor, dt,
-                              out=out[c])
+        out = core_forward(q, k, v, inv_scale, k_pos, num_heads, focusing_factor, dt)[0]
     out = out.to(out_dtype)
     return out if residual is None else out + residual.to(out_dtype)
-
-
-def _core_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  inv_scale: torch.Tensor, k_pos: Optional[torch.Tensor], h: int, p: int,
-                  dt: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The core without autograd, in place on one buffer per side; writes the head-merged
-    result into ``out`` (``None``: a new tensor, the torch.compile branch)."""
-    B, N, C = q.shape
-    n = k.shape[1]
-    d = C // h
-    # ---- keys: phi(K), then K^T V / n and mean(phi(K)) per head
-    kf = k.to(dt)
-    if k_pos is not None:
-        kf = kf + k_pos.to(dt)
-    # kf is our own temporary when it is a sum or a cast copy
-    yk, rk = _kernel_parts(kf, inv_scale, p, owned=kf is not k)
-    del kf
-    phi_k = yk.mul_(rk)
-    kh = phi_k.view(B, n, h, d).transpose(1, 2)  # (B, h, n, d)
-    vh = v.to(dt).reshape(B, n, h, d).transpose(1, 2)
-    kv = (kh.transpose(-2, -1) @ vh).div_(n)  # (B, h, d, d)
-    k_mean = kh.mean(dim=-2, keepdim=True).transpose(-2, -1)  # (B, h, d, 1)
-    del yk, phi_k, kh, vh
-    # ---- queries: y(q) KV / (y(q) . mean + 1e-6 / r_q)
-    qf = q.to(dt)
-    yq, rq = _kernel_parts(qf, inv_scale, p, owned=qf is not q)
-    del qf
-    qh = yq.view(B, N, h, d).transpose(1, 2)  # (B, h, N, d)
-    den = qh @ k_mean  # (B, h, N, 1)
-    eps = (1e-6 / rq).view(B, 1, N, 1)
-    if out is None:
-        return merge_heads((qh @ kv) / (den + eps))
-    # the GEMM and the division write the head-merged layout directly (no extra copy)
-    out_h = out.view(B, N, h, d).transpose(1, 2)
-    if strided_out_ok(out):
-        torch.matmul(qh, kv, out=out_h)
-    else:
-        out_h.copy_(qh @ kv)
-    out_h.div_(den.add_(eps))
-    return out
 
 
 def _table_recomputed(pe: torch.Tensor, again) -> contextlib.AbstractContextManager:

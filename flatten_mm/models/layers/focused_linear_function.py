@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .pos_embed import _is_compiling
+
 
 def _features(x: torch.Tensor, inv_scale: torch.Tensor, p: int):
     """``(b, y, nb, ny)``: ``b = (ReLU(x) + 1e-6) s``, ``y = b^p`` and the per-token norms
@@ -34,6 +36,21 @@ def _features(x: torch.Tensor, inv_scale: torch.Tensor, p: int):
     nb = torch.linalg.vector_norm(b, dim=-1, keepdim=True)
     ny = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
     return b, y, nb, ny
+
+
+def kernel_parts(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
+                 owned: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``y = ((ReLU(x) + 1e-6) / softplus(scale))^p`` and the per-token factor
+    ``r = ||base|| / ||y||`` with ``phi_p(x) = r * y``, computed in place on one new
+    buffer (no autograd; the forward needs neither the base nor the norms apart);
+    ``owned`` says that ``x`` itself is a temporary of the caller and may be
+    overwritten."""
+    y = x.relu_() if owned else F.relu(x)
+    y.add_(1e-6).mul_(inv_scale)
+    norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    y = y.pow_(p)
+    norm_p = torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+    return y, norm.div_(norm_p)
 
 
 def _features_backward(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
@@ -82,8 +99,9 @@ def _heads_matmul(a: torch.Tensor, m: torch.Tensor, h: int,
 
 def strided_out_ok(out: torch.Tensor) -> bool:
     """Whether GEMMs may write a head-strided view of ``out`` directly: on CPU and CUDA
-    (BLAS leading dimensions); other backends get a computed copy."""
-    return out.device.type in ('cpu', 'cuda')
+    (BLAS leading dimensions) in eager mode; other backends and torch.compile (no
+    ``out=``) get a computed copy."""
+    return out.device.type in ('cpu', 'cuda') and not _is_compiling()
 
 
 #: per-sample activations (tokens x channels) from which a multi-head batch is processed
@@ -123,13 +141,7 @@ class FocusedLinearCore(torch.autograd.Function):
         dt = torch.promote_types(v.dtype, torch.float32)
         h, p = num_heads, focusing_factor
         inv_scale = 1.0 / F.softplus(scale.to(dt))
-        out = q.new_empty(q.shape, dtype=dt)
-        chunks = batch_chunks(q.shape[0], h, max(q.shape[1], k.shape[1]), q.shape[2])
-        sums = [_key_sums(_keys(k[c], k_pos, dt), v[c].to(dt), inv_scale, h, p)
-                for c in chunks]
-        for c, (kv, k_mean) in zip(chunks, sums):
-            _query_forward(q[c].to(dt), kv, k_mean, inv_scale, h, p, out[c])
-        kv, k_mean = (torch.cat(t) for t in zip(*sums))
+        out, kv, k_mean = core_forward(q, k, v, inv_scale, k_pos, h, p, dt)
         ctx.save_for_backward(q, k, v, scale, k_pos, kv, k_mean)
         ctx.shape = (h, p, dt)
         return out.to(v.dtype)
@@ -166,19 +178,39 @@ class FocusedLinearCore(torch.autograd.Function):
                 dscale, dk_pos, None, None)
 
 
-def _key_sums(kf, vf, inv_scale, h: int, p: int):
-    """``(KV, m)``: ``phi(K)^T V / n`` ``(B, h, d, d)`` and ``mean(phi(K))``
-    ``(B, h, d, 1)`` per head."""
-    _, yk, nbk, nyk = _features(kf, inv_scale, p)
-    kh = _heads(yk.mul_(nbk.div_(nyk)), h)  # phi(K) per head
+def core_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_scale: torch.Tensor,
+                 k_pos: Optional[torch.Tensor], h: int, p: int, dt: torch.dtype
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The core's forward without autograd (the no-grad path and ``FocusedLinearCore``):
+    ``(out, KV, m)``, the output ``(B, N, C)`` in ``dt`` and the per-head sums
+    ``phi(K)^T V / n`` ``(B, h, d, d)`` and ``mean(phi(K))`` ``(B, h, d, 1)``; one
+    temporary per side, ``batch_chunks`` at a time."""
+    out = q.new_empty(q.shape, dtype=dt)
+    sums = []
+    for c in batch_chunks(q.shape[0], h, max(q.shape[1], k.shape[1]), q.shape[2]):
+        kv, k_mean = _key_sums(_keys(k[c], k_pos, dt), v[c].to(dt), inv_scale, h, p,
+                               owned=k_pos is not None or k.dtype != dt)
+        _query_forward(q[c].to(dt), kv, k_mean, inv_scale, h, p, out[c],
+                       owned=q.dtype != dt)
+        sums.append((kv, k_mean))
+    kv, k_mean = (torch.cat(t) for t in zip(*sums))
+    return out, kv, k_mean
+
+
+def _key_sums(kf, vf, inv_scale, h: int, p: int, owned: bool):
+    """``(KV, m)`` of ``kf`` (overwritten when ``owned``)."""
+    yk, rk = kernel_parts(kf, inv_scale, p, owned=owned)
+    kh = _heads(yk.mul_(rk), h)  # phi(K) per head
     kv = (kh.transpose(-2, -1) @ _heads(vf, h)).div_(kh.shape[2])
     return kv, kh.mean(dim=-2, keepdim=True).transpose(-2, -1)
 
 
-def _query_forward(qf, kv, k_mean, inv_scale, h: int, p: int, out: torch.Tensor) -> None:
-    """``out = y_q KV / (y_q . m + 1e-6 / r_q)`` per head, into ``out``."""
-    _, yq, nbq, nyq = _features(qf, inv_scale, p)
-    den = (_heads(yq, h) @ k_mean).add_((1e-6 * nyq / nbq).unsqueeze(1))
+def _query_forward(qf, kv, k_mean, inv_scale, h: int, p: int, out: torch.Tensor,
+                   owned: bool) -> None:
+    """``out = y_q KV / (y_q . m + 1e-6 / r_q)`` per head, into ``out``; ``qf``
+    overwritten when ``owned``."""
+    yq, rq = kernel_parts(qf, inv_scale, p, owned=owned)
+    den = (_heads(yq, h) @ k_mean).add_((1e-6 / rq).unsqueeze(1))
     _heads(_heads_matmul(yq, kv, h, out=out), h).div_(den)
 
 
