@@ -16,6 +16,8 @@
 #      fp32 / bf16 / fp16, head dims up to 128, each with one torch.compile case; the
 #      safety checks: first-use verdicts, TF32, bitwise repeats, NaN / Inf, a second
 #      device, dynamic shapes under torch.compile
+#   2b. the training matrix of tests/test_reliability/test_gpu_path_emulated*.py on the
+#      device (FLATTEN_MM_TEST_DEVICE=cuda; CI runs it emulated)              <=300 s
 #   3. profile tables, FLatten-PVTv2-b0 / FLatten-Swin-T / QuadTree-B-b0 and
 #      their softmax counterparts, batch 8, 512², fp32 then bf16              ~40 s each
 #   4. fast paths vs reference paths (pytest -m cuda tests/test_layers/        ~30 s
@@ -178,6 +180,25 @@ elif [ -z "$ONLY" ] || [[ ",$ONLY," == *",kernel_check,"* ]]; then
     [ "$DRY_RUN" = 1 ] || printf 'kernel_check\tabsent\t0\n' >> "$STATUS"
 fi
 
+# 2b. the training matrix on the device: every backbone family through the kernels under
+#     with_cp, frozen stages, bf16 / fp16 autocast and torch.compile (Inductor), and whole
+#     models with with_cp, against the PyTorch path's gradients (CI runs it emulated on the
+#     CPU); Triton compiled, not interpreted
+if [ "$SMOKE" = 1 ]; then
+    MATRIX=(env FLATTEN_MM_TEST_DEVICE=cpu "$PYTHON" -m pytest -q -p no:cacheprovider
+            tests/test_reliability/test_gpu_path_emulated.py -k "flatten-pvt-v2-plain")
+else
+    MATRIX=(env TRITON_INTERPRET=0 FLATTEN_MM_TEST_DEVICE=cuda "$PYTHON" -m pytest -q
+            -p no:cacheprovider tests/test_reliability/test_gpu_path_emulated.py
+            tests/test_reliability/test_gpu_path_emulated_models.py)
+fi
+if [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import pytest' 2>/dev/null; then
+    step training_matrix 60 300 "${MATRIX[@]}" --junitxml "$OUT/training_matrix.xml"
+else
+    say "SKIP training_matrix: pytest is not installed for $PYTHON"
+    printf '%s\tskipped_no_pytest\t0\n' training_matrix >> "$STATUS"
+fi
+
 # 3. profiler tables (batch 8, 512²)
 for amp in "${AMPS[@]}"; do
     step "profile_$amp" 30 150 "$PYTHON" "${BENCH[@]}" "${QUICK[@]}" --profile "${PFAM[@]}" \
@@ -189,8 +210,9 @@ done
 #    fast-path harness (TF32 off; they skip without CUDA), then the ops that make the
 #    host wait for the device
 if [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import pytest' 2>/dev/null; then
-    step fast_paths 20 150 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
-        tests/test_layers/test_fast_paths.py --junitxml "$OUT/fast_paths.xml"
+    step fast_paths 20 150 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -m cuda -q \
+        -p no:cacheprovider tests/test_layers/test_fast_paths.py \
+        --junitxml "$OUT/fast_paths.xml"
 else
     say "SKIP fast_paths: pytest is not installed for $PYTHON"
     printf '%s\tskipped_no_pytest\t0\n' fast_paths >> "$STATUS"

@@ -8,7 +8,9 @@
 #   ships only as a source distribution. Its compiled ops (nms, roi_align, ...) are needed
 #   at import time by mmdet/mmseg. We build it once against the installed torch
 #   (C++20 for torch >= 2.14 headers, setuptools < 82 for pkg_resources,
-#   --no-build-isolation) and cache the wheel in $FLATTEN_MM_CACHE (default
+#   --no-build-isolation) with the CUDA ops when torch is a CUDA build
+#   (scripts/mmcv_ops.py decides; FLATTEN_MM_MMCV_OPS=cpu for CPU-only machines) and cache
+#   the wheel per torch version and flavour in $FLATTEN_MM_CACHE (default
 #   ~/.cache/flatten_mm/wheels), outside the checkout, so later runs and CI reuse it.
 # * mmdet / mmseg are installed with --no-deps because their own requirement pins are
 #   ancient; their runtime needs are listed as extras of our setup.py.
@@ -52,13 +54,34 @@ if ! have torch "$TORCH_VERSION" || ! have torchvision "$TORCHVISION_VERSION"; t
   "${PIP[@]}" install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 fi
 
-if ! have mmcv "$MMCV_VERSION" || ! "$VPY" -c 'import mmcv.ops' 2>/dev/null; then
+# which ops mmcv is built with follows the installed torch (scripts/mmcv_ops.py: a CUDA
+# build of torch gets mmcv's CUDA ops, GPU visible or not; FLATTEN_MM_MMCV_OPS=cpu for
+# CPU-only machines); it stops here, before any build, when nvcc is missing or mismatched
+# (the choice is remembered by the environment: later runs, e.g. by run_tests.sh, keep it)
+CHOICE="$VENV/.flatten_mm_mmcv_ops"
+if [ -n "${FLATTEN_MM_MMCV_OPS:-}" ]; then
+  echo "$FLATTEN_MM_MMCV_OPS" > "$CHOICE"
+elif [ -f "$CHOICE" ]; then
+  export FLATTEN_MM_MMCV_OPS="$(cat "$CHOICE")"
+fi
+PLAN=$("$VPY" "$ROOT/scripts/mmcv_ops.py" plan) || {
+  echo "setup_env: stopped before building mmcv (see the message above)" >&2; exit 1; }
+eval "$PLAN"   # MMCV_OPS, MMCV_TAG, and the build's FORCE_CUDA / CUDA_HOME / TORCH_CUDA_ARCH_LIST
+INSTALLED=$("$VPY" "$ROOT/scripts/mmcv_ops.py" flavour)
+if ! have mmcv "$MMCV_VERSION" || [ "$INSTALLED" = none ] \
+    || { [ "$MMCV_OPS" = cuda ] && [ "$INSTALLED" != cuda ]; }; then
   mkdir -p "$CACHE"
   TV=$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')
-  WHEEL_DIR="$CACHE/mmcv-$MMCV_VERSION-torch$TV"
+  # the wheel is cached per torch version and ops flavour (cpu, cu130-sm90, ...)
+  WHEEL_DIR="$CACHE/mmcv-$MMCV_VERSION-torch$TV-$MMCV_TAG"
   WHEEL=$(ls "$WHEEL_DIR"/mmcv-"$MMCV_VERSION"-*.whl 2>/dev/null | head -n1 || true)
+  if [ -z "$WHEEL" ] && [ "$MMCV_OPS" = cpu ]; then
+    # (earlier setups cached without a flavour; any of those wheels has the CPU ops)
+    WHEEL=$(ls "$CACHE/mmcv-$MMCV_VERSION-torch$TV"/mmcv-"$MMCV_VERSION"-*.whl 2>/dev/null \
+      | head -n1 || true)
+  fi
   if [ -z "$WHEEL" ]; then
-    log "building mmcv $MMCV_VERSION with ops against torch $TV (once; ~15 min on 2 cores)"
+    log "building mmcv $MMCV_VERSION with $MMCV_OPS ops against torch $TV (once; ~15 min on 2 cores for the CPU ops, longer with CUDA)"
     BUILD=$(mktemp -d)
     "${PIP[@]}" download -q --no-deps --no-build-isolation --no-binary :all: "mmcv==$MMCV_VERSION" -d "$BUILD"
     tar -xzf "$BUILD"/mmcv-"$MMCV_VERSION".tar.gz -C "$BUILD"
@@ -76,8 +99,11 @@ if ! have mmcv "$MMCV_VERSION" || ! "$VPY" -c 'import mmcv.ops' 2>/dev/null; the
   else
     log "reusing cached mmcv wheel $WHEEL"
   fi
-  "${PIP[@]}" install -q "$WHEEL"
+  "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEEL"
 fi
+# the ops run on the CPU and on a visible GPU; a CPU-only mmcv meeting a GPU stops here
+"$VPY" "$ROOT/scripts/mmcv_ops.py" verify $([ "$MMCV_OPS" = cuda ] && echo cuda) || {
+  echo "setup_env: the installed mmcv cannot serve this machine (see above)" >&2; exit 1; }
 
 if ! have mmdet 3.3.0 || ! have mmsegmentation 1.2.2; then
   log "installing mmdet 3.3.0 and mmsegmentation 1.2.2 (--no-deps)"

@@ -275,18 +275,25 @@ def test_recompute_mlp_act_reaches_every_mlp():
 
 
 # ---------------------------------------------------- positional tables (never cached)
-def test_fla_module_no_grad_equals_grad_mode_at_a_foreign_grid():
-    """The no-grad path (in-place kernel, resized table) equals the autograd path."""
+def test_fla_module_no_grad_and_grad_mode_equal_the_quadratic_formula_at_a_foreign_grid():
+    """The no-grad path (in-place core, resized table) and the autograd path
+    (``FocusedLinearCore``) each equal the explicit O(N^2) formula in float64
+    (``reference_fla``), and two no-grad calls agree bit for bit (nothing cached)."""
+    from test_focused_linear_attention import reference_fla
     torch.manual_seed(0)
     m = FocusedLinearAttention(16, 2, pretrain_hw_shape=(4, 4)).eval()
     with torch.no_grad():
         m.positional_encoding.normal_()
+        m.scale.normal_(0, 0.3)
     x = _rand(1, 6 * 5, 16)
     with torch.no_grad():
         first, second = m(x, (6, 5)), m(x, (6, 5))
-    ref = m(x, (6, 5))  # grad mode: out-of-place kernel
+    grad_mode = m(x.requires_grad_(), (6, 5))
+    assert grad_mode.grad_fn is not None
+    ref = reference_fla(m, x.detach(), (6, 5))
     torch.testing.assert_close(first, second, rtol=0, atol=0)
-    torch.testing.assert_close(first, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_mode.detach().double(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_window_bias_follows_the_table():
@@ -322,13 +329,21 @@ def test_window_bias_follows_the_table():
     assert m.relative_position_bias_table.grad.abs().sum() > 0
 
 
-def test_fla_qkv_windowed_no_grad_equals_grad_mode():
+def test_fla_qkv_windowed_no_grad_and_grad_mode_equal_the_reference():
+    """Shifted windows: the no-grad and the autograd path each equal the float64 formula
+    of windowed FLA (``reference_qkv_attention``)."""
+    from test_focused_linear_qkv import perturb, reference_qkv_attention
     torch.manual_seed(0)
     m = FocusedLinearAttentionQKV(12, 3, window_size=4, shift=True).eval()
+    perturb(m)
     x = _rand(2, 9 * 10, 12)
     with torch.no_grad():
         fast = m(x, (9, 10))
-    torch.testing.assert_close(fast, m(x, (9, 10)).detach(), rtol=1e-5, atol=1e-6)
+    grad_mode = m(x.requires_grad_(), (9, 10))
+    assert grad_mode.grad_fn is not None
+    ref = reference_qkv_attention(m, x.detach(), (9, 10))
+    torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_mode.detach().double(), ref, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- SimA
@@ -369,14 +384,27 @@ def test_quadtree_inference_kernels_equal_autograd_kernels():
     torch.testing.assert_close(fast_m, slow_m.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('cpu_kernels', [True, False], ids=['cpu-kernels', 'pytorch'])
 @pytest.mark.parametrize('attn_type', ['A', 'B'])
-def test_quadtree_module_no_grad_equals_grad_mode(attn_type):
+def test_quadtree_module_no_grad_and_grad_mode_equal_the_official_pipeline(attn_type,
+                                                                           cpu_kernels):
+    """The no-grad path (chunked levels) and the autograd path (the CPU training kernel,
+    or the batched gathers) each equal a literal port of the official computation
+    (``module_reference``), with and without the compiled CPU kernels."""
+    from test_quadtree_attention import module_reference
+    from flatten_mm.models.ops import quadtree_cpu
     torch.manual_seed(0)
-    m = QuadTreeAttention(16, 2, attn_type=attn_type, num_levels=3, topk=3).eval()
-    x = _rand(2, 17 * 19, 16)  # padded to 20 x 20 inside
-    with torch.no_grad():
-        fast = m(x, (17, 19))
-    torch.testing.assert_close(fast, m(x, (17, 19)).detach(), rtol=1e-5, atol=1e-6)
+    m = QuadTreeAttention(16, 2, attn_type=attn_type, num_levels=3, topk=3,
+                          value_act='gelu').eval()
+    x = _rand(2, 16 * 20, 16)
+    with quadtree_cpu.use_cpu_kernels(cpu_kernels):
+        with torch.no_grad():
+            fast = m(x, (16, 20))
+        grad_mode = m(x.requires_grad_(), (16, 20))
+    assert grad_mode.grad_fn is not None
+    ref = module_reference(m, x.detach(), (16, 20))
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_mode.detach(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_quadtree_projections_equal_1x1_convs_on_the_map():

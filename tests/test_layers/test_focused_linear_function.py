@@ -216,3 +216,83 @@ def test_batch_chunks_split_only_large_multi_head_batches():
     assert batch_chunks(3, 1, big, 64) == [slice(0, 3)]  # one head: the views fold
     assert batch_chunks(1, 4, big, 64) == [slice(0, 1)]
     assert batch_chunks(3, 4, big - 1, 64) == [slice(0, 3)]  # small maps: one call
+
+
+def test_empty_batch_on_a_large_multi_head_map():
+    """B = 0 on a map of ``PER_SAMPLE_NUMEL`` activations and more heads than one (where
+    the batch would be split per sample): an empty output, empty gradients, with and
+    without autograd (before: ``batch_chunks`` returned no chunk and the core failed)."""
+    from flatten_mm.models.layers.focused_linear_function import PER_SAMPLE_NUMEL, batch_chunks
+    N, C = PER_SAMPLE_NUMEL // 32, 32
+    assert batch_chunks(0, 4, N, C) == [slice(0, 0)]
+    ins = _inputs(0, N, N, C, True, dtype=torch.float32)
+    out = focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4])
+    assert out.shape == (0, N, C)
+    grads = torch.autograd.grad(out.sum(), ins)
+    assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in ins]
+    assert all(not g.any() for g in grads)
+    with torch.no_grad():
+        assert fla.focused_linear_core(*ins[:4], 4, 3, k_pos=ins[4]).shape == (0, N, C)
+
+
+@pytest.mark.parametrize('per_sample', [False, True])
+def test_compiled_training_step_is_one_graph_and_equals_eager(monkeypatch, per_sample):
+    """``torch.compile(fullgraph=True)`` traces forward and backward of the core (AOT
+    autograd: the backward's GEMMs and quotients without strided ``out=``, which Dynamo
+    refuses) and gives eager's outputs and gradients, the batch whole or per sample."""
+    from flatten_mm.models.layers import focused_linear_function as flf
+    if per_sample:
+        monkeypatch.setattr(flf, 'PER_SAMPLE_NUMEL', 0)
+    ins = _inputs(2, 35, 12, 32, True, dtype=torch.float32)
+    grad = torch.randn(2, 35, 32, generator=torch.Generator().manual_seed(1))
+
+    def step(*ins):
+        return focused_linear_core_lean(*ins[:4], 4, 3, k_pos=ins[4])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend='aot_eager', fullgraph=True)
+    got = compiled(*ins)
+    got_grads = torch.autograd.grad(got, ins, grad)
+    want = step(*ins)
+    want_grads = torch.autograd.grad(want, ins, grad)
+    torch._dynamo.reset()
+    for a, b in zip((got, *got_grads), (want, *want_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_equals_the_formula():
+    """``create_graph=True`` (gradient penalties): the backward differentiates the op-by-op
+    formula, so second derivatives are exact -- ``gradgradcheck`` in float64, and a
+    gradient penalty's gradients equal the formula's (before: "trying to differentiate
+    twice a function that was marked with @once_differentiable")."""
+    ins = _inputs(1, 10, 7, 8, True)
+
+    def f(q, k, v, scale, pos):
+        return focused_linear_core_lean(q, k, v, scale, 2, 3, k_pos=pos)
+
+    assert torch.autograd.gradgradcheck(f, tuple(ins), eps=1e-6, atol=1e-5, rtol=1e-4)
+    w = torch.randn(1, 10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    results = []
+    for fn in (f, lambda *t: _reference(t, 2, 3, True)):
+        g = torch.autograd.grad((fn(*ins) * w).sum(), ins, create_graph=True)
+        results.append(torch.autograd.grad(sum(t.square().sum() for t in g), ins))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_large_gradients_at_dead_tokens_stay_finite():
+    """A token whose channels are all <= 0 has ``||y|| ~ 1e-18`` (p = 3): the backward's
+    ``||y||`` terms are grouped so that a large incoming gradient there (a second-order
+    pass gives up to 1e8) keeps every gradient finite and equal to float64's."""
+    ins64 = _inputs(2, 40, 40, 8, False)
+    with torch.no_grad():
+        ins64[0][0, :3] = -ins64[0][0, :3].abs()  # dead query tokens
+        ins64[1][1, :2] = -ins64[1][1, :2].abs()  # dead key tokens
+    ins32 = [t.detach().float().requires_grad_() for t in ins64]
+    grad = 1e8 * torch.randn(2, 40, 8, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(focused_linear_core_lean(*ins32, 1, 3), ins32, grad.float())
+    want = torch.autograd.grad(_reference(ins64, 1, 3, False), ins64, grad)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        assert float((a.double() - b).abs().max() / b.abs().max()) < 1e-4

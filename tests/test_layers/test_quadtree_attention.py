@@ -238,6 +238,31 @@ def test_one_level_b_is_softmax_attention_plus_lepe():
     torch.testing.assert_close(m(x, (H, W)), out, atol=1e-5, rtol=1e-5)
 
 
+def module_reference(m: QuadTreeAttention, x: torch.Tensor, hw) -> torch.Tensor:
+    """``m(x, hw)`` (a map whose sides are multiples of ``2^(levels-1)``) by the literal
+    port: pyramid construction (avg pool / value branches, LePE on each level) as in spec
+    §3.1, then ``reference_quadtree``."""
+    B, _, C = x.shape
+    with torch.no_grad():
+        x_map = x.transpose(1, 2).reshape(B, C, *hw)
+        q, k, v = m.q_proj(x_map), m.k_proj(x_map), m.v_proj(x_map)
+        qs, ks, vs = [q], [k], [v]
+        for t in range(m.num_levels - 1):
+            q, k = F.avg_pool2d(q, 2), F.avg_pool2d(k, 2)
+            v = m.value_branchs[t](v) if m.attn_type == 'B' else F.avg_pool2d(v, 2)
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+        qs, ks, vs = qs[::-1], ks[::-1], vs[::-1]
+        weight = lepes = None
+        if m.attn_type == 'B':
+            weight = torch.softmax(m.py_att.weight, 0)
+            lepes = [conv(val) for conv, val in zip(m.py_att.get_vs, vs)]
+        topks = tuple(m.topks) + (m.topks[-1], ) * m.num_levels
+        ref = reference_quadtree(qs, ks, vs, m.num_heads, topks, m.attn_type, weight, lepes)
+        return m.proj(ref.reshape(B, -1, C))
+
+
 @pytest.mark.parametrize('attn_type', ['A', 'B'])
 def test_module_matches_reference_pipeline(attn_type):
     """Pyramid construction (avg pool / value branches, LePE on each level) as in spec §3.1."""
@@ -246,23 +271,7 @@ def test_module_matches_reference_pipeline(attn_type):
     m = QuadTreeAttention(C, heads, attn_type=attn_type, num_levels=levels, topk=6,
                           value_act='gelu').eval()
     x = torch.randn(2, hw[0] * hw[1], C)
-    x_map = x.transpose(1, 2).reshape(2, C, *hw)
-    q, k, v = m.q_proj(x_map), m.k_proj(x_map), m.v_proj(x_map)
-    qs, ks, vs = [q], [k], [v]
-    for t in range(levels - 1):
-        q, k = F.avg_pool2d(q, 2), F.avg_pool2d(k, 2)
-        v = m.value_branchs[t](v) if attn_type == 'B' else F.avg_pool2d(v, 2)
-        qs.append(q)
-        ks.append(k)
-        vs.append(v)
-    qs, ks, vs = qs[::-1], ks[::-1], vs[::-1]
-    weight = lepes = None
-    if attn_type == 'B':
-        weight = torch.softmax(m.py_att.weight, 0)
-        lepes = [conv(val) for conv, val in zip(m.py_att.get_vs, vs)]
-    ref = reference_quadtree(qs, ks, vs, heads, (6, 6, 6), attn_type, weight, lepes)
-    ref = m.proj(ref.reshape(2, -1, C))
-    torch.testing.assert_close(m(x, hw), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m(x, hw), module_reference(m, x, hw), atol=1e-5, rtol=1e-5)
 
 
 def test_non_divisible_map_is_zero_padded_and_cropped():

@@ -402,7 +402,7 @@ class DoublingStageBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
     def forward_raw(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Un-normalised maps ``(B, C_i, H_i, W_i)`` of all four stages (the official
         classification model's stage outputs; used by the parity checks)."""
-        return [tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw)
+        return [tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *hw)
                 for _, tokens, hw in self.iter_stages(x)]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -412,5 +412,5 @@ class DoublingStageBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
         for i, tokens, hw in self.iter_stages(x, last=max(self.out_indices)):
             if i in self.out_indices:
                 tokens = getattr(self, self.norm_name(i))(tokens)
-                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], -1, *hw))
+                outs.append(tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *hw))
         return tuple(outs)

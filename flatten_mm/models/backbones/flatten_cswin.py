@@ -229,4 +229,4 @@ class FLattenCSWin(DoublingStageBackbone):
             yield i, x, hw
             if i == last:
                 return
-            x = x.transpose(1, 2).reshape(x.shape[0], -1, *hw)
+            x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *hw)

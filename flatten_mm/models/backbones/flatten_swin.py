@@ -66,7 +66,7 @@ class PatchMerging(nn.Module):
         x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
                       dim=-1)
         hw = (x.shape[1], x.shape[2])
-        return self.reduction(self.norm(x.reshape(B, -1, 4 * C))), hw
+        return self.reduction(self.norm(x.reshape(B, hw[0] * hw[1], 4 * C))), hw
 
 
 class SwinStage(nn.Module):

@@ -285,7 +285,7 @@ class PyramidVisionBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
             tokens, hw = self.forward_stage(i, x)
             # the next stage takes the tokens as a channels-last map (a view, no copy);
             # returned maps are contiguous NCHW
-            x = tokens.reshape(tokens.shape[0], hw[0], hw[1], -1).permute(0, 3, 1, 2)
+            x = tokens.reshape(tokens.shape[0], hw[0], hw[1], tokens.shape[2]).permute(0, 3, 1, 2)
             if i in self.out_indices:
                 outs.append(x.contiguous())
         return tuple(outs)

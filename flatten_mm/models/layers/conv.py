@@ -24,9 +24,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from ..ops.autograd_paths import autocast_operands, recorded_eagerly
+from ..ops.autograd_paths import (autocast_operands, differentiate_reference, recorded_eagerly,
+                                  records_backward_graph)
 from ..ops.layout import map_as_tokens, tokens_as_map
 
 #: rows of the output gradient per grouped convolution in the weight gradient
@@ -61,14 +61,19 @@ class DepthwiseConvCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, img: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 padding: Tuple[int, int]) -> torch.Tensor:
-        ctx.save_for_backward(img, weight)
+        ctx.save_for_backward(img, weight, bias)
         ctx.padding, ctx.has_bias = tuple(padding), bias is not None
         return F.conv2d(img, weight, bias, 1, padding, 1, img.shape[1])
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        img, weight = ctx.saved_tensors
+        if records_backward_graph():  # (create_graph: the plain convolution, differentiable)
+            img, weight, bias = ctx.saved_tensors
+            grads = differentiate_reference(
+                lambda i, w, b: F.conv2d(i, w, b, 1, ctx.padding, 1, i.shape[1]),
+                (img, weight, bias), ctx.needs_input_grad[:3], (grad, ))
+            return (*grads, None)
+        img, weight, _ = ctx.saved_tensors
         # (one dtype for the three: a gradient, or weights changed in place since the
         # forward, in another dtype would fail the convolutions; autograd casts back)
         grad, weight = grad.to(img.dtype), weight.to(img.dtype)

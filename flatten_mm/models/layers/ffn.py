@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.autograd_paths import autocast_operands, recorded_eagerly
+from ..ops.autograd_paths import (autocast_operands, differentiate_reference, recorded_eagerly,
+                                  records_backward_graph)
 from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import token_conv
 
@@ -20,14 +21,23 @@ class _GELULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 approximate: str) -> torch.Tensor:
-        ctx.save_for_backward(z, weight)
+        ctx.save_for_backward(z, weight, bias)
         ctx.has_bias = bias is not None
         ctx.approximate = approximate
+        return _GELULinear.reference(z, weight, bias, approximate)
+
+    @staticmethod
+    def reference(z, weight, bias, approximate):
         return F.linear(F.gelu(z, approximate=approximate), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        z, weight = ctx.saved_tensors
+        if records_backward_graph():  # (create_graph: the plain ops, differentiable)
+            z, weight, bias = ctx.saved_tensors
+            return (*differentiate_reference(_GELULinear.reference, (z, weight, bias,
+                                                                     ctx.approximate),
+                                             ctx.needs_input_grad, (grad, )), )
+        z, weight, _ = ctx.saved_tensors
         a = F.gelu(z, approximate=ctx.approximate)  # recomputed
         g2 = grad.reshape(-1, grad.shape[-1])
         dw = g2.t().mm(a.reshape(-1, a.shape[-1]))
@@ -65,15 +75,25 @@ class _DWConvGELULinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, hw_shape, conv_weight, conv_bias, padding, weight, bias,
                 approximate):
-        ctx.save_for_backward(u, conv_weight, conv_bias, weight)
+        ctx.save_for_backward(u, conv_weight, conv_bias, weight, bias)
         ctx.args = (hw_shape, padding, bias is not None, approximate)
+        return _DWConvGELULinear.reference(u, hw_shape, conv_weight, conv_bias, padding,
+                                           weight, bias, approximate)
+
+    @staticmethod
+    def reference(u, hw_shape, conv_weight, conv_bias, padding, weight, bias, approximate):
         z = _DWConvGELULinear._conv(u, hw_shape, conv_weight, conv_bias, padding)
         return F.linear(F.gelu(z, approximate=approximate), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        u, conv_weight, conv_bias, weight = ctx.saved_tensors
+        u, conv_weight, conv_bias, weight, bias = ctx.saved_tensors
         hw_shape, padding, has_bias, approximate = ctx.args
+        if records_backward_graph():  # (create_graph: the plain ops, differentiable)
+            return (*differentiate_reference(
+                _DWConvGELULinear.reference, (u, hw_shape, conv_weight, conv_bias, padding,
+                                              weight, bias, approximate),
+                ctx.needs_input_grad, (grad, )), )
         z = _DWConvGELULinear._conv(u, hw_shape, conv_weight, conv_bias, padding)
         a = F.gelu(z, approximate=approximate)  # recomputed
         g2 = grad.reshape(-1, grad.shape[-1])

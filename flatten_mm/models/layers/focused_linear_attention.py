@@ -33,7 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import dispatch
-from ..ops.autograd_paths import recomputed_when_saved, recorded_eagerly
+from ..ops import specialisation as spec
+from ..ops.autograd_paths import recomputed_when_saved, recorded_eagerly, register_reference
 from ..ops.layout import map_as_tokens, tokens_as_map
 from .conv import depthwise_conv, repeat_depthwise, token_conv
 from .focused_linear_function import FocusedLinearCore, core_forward
@@ -54,10 +55,12 @@ def _fla_key(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_hea
              focusing_factor: int, k_pos: Optional[torch.Tensor],
              residual: Optional[torch.Tensor], *extra) -> tuple:
     """The first-use key of an FLA kernel call: the op and all that selects its compiled
-    specialisation (dtypes, matmul precision, channels, heads, power, optional inputs)."""
-    return (op, _dt(v), dispatch.precision_name(torch.float32), _dt(q), _dt(k),
-            _dt(residual), int(q.shape[-1]), int(num_heads), int(focusing_factor),
-            _dt(k_pos)) + tuple(extra)
+    specialisation (output dtype, matmul precision, channels, heads, power, and the
+    ``specialisation.layout`` -- dtype, alignment, size and stride classes -- of every
+    input)."""
+    return (op, _dt(v), dispatch.precision_name(torch.float32), int(q.shape[-1]),
+            int(num_heads), int(focusing_factor), spec.layout(q), spec.layout(k),
+            spec.layout(v), spec.layout(k_pos), spec.layout(residual)) + tuple(extra)
 
 
 def _use_fla_triton(use_triton: Optional[bool], q: torch.Tensor, k: torch.Tensor,
@@ -141,6 +144,19 @@ def focused_linear_core_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return merge_heads(out).to(out_dtype)
 
 
+def _core_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                    k_pos: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                    num_heads: int, focusing_factor: int) -> torch.Tensor:
+    """``focused_linear_core`` op by op (``focused_linear_core_reference`` with the
+    positional table and the residual): what a double backward differentiates."""
+    out = focused_linear_core_reference(q, k if k_pos is None else k + k_pos, v, scale,
+                                        num_heads, focusing_factor)
+    return out if residual is None else out + residual.to(out.dtype)
+
+
+register_reference('fla_core', _core_reference)
+
+
 def focused_linear_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: torch.Tensor, num_heads: int,
                         focusing_factor: int,
@@ -218,8 +234,8 @@ def _table_recomputed(pe: torch.Tensor, again) -> contextlib.AbstractContextMana
     as large as the keys) is not kept for the backward, whose key gradient needs it; the
     backward resizes it again (``again()``, from the parameter: the same values). The
     stored table itself (the pretraining grid) is a parameter, kept anyway."""
-    if pe.grad_fn is None or not recorded_eagerly(pe):
-        return contextlib.nullcontext()
+    if torch.compiler.is_compiling() or pe.grad_fn is None or not recorded_eagerly(pe):
+        return contextlib.nullcontext()  # (under torch.compile nothing is recomputed)
     return recomputed_when_saved(pe, again)
 
 
@@ -245,11 +261,12 @@ def _projected_dtype(x: torch.Tensor) -> torch.dtype:
 def _projected_key(q: Optional[torch.Tensor], x: torch.Tensor, num_heads: int,
                    focusing_factor: int, k_pos: Optional[torch.Tensor], linear: nn.Linear,
                    conv: nn.Conv2d) -> tuple:
-    """The first-use key of ``fla_projected_triton`` (see ``_fla_key``)."""
+    """The first-use key of ``fla_projected_triton`` (see ``_fla_key``; ``x`` as the
+    projection takes it, cast under autocast)."""
     dt = _projected_dtype(x)
     return (('fla_projected', _dt(dt), dispatch.precision_name(torch.float32),
-             None if q is None else _dt(q), int(x.shape[-1]), int(num_heads),
-             int(focusing_factor), _dt(k_pos), int(conv.kernel_size[0]),
+             int(x.shape[-1]), int(num_heads), int(focusing_factor), spec.layout(q),
+             spec.layout(x, dt), spec.layout(k_pos), int(conv.kernel_size[0]),
              linear.bias is not None, conv.bias is not None))
 
 
@@ -695,56 +712,66 @@ class FocusedLinearAttentionQKV(_FocusedLinearRegion):
 
 def _first_use_check(key: tuple, device: torch.device) -> None:
     """Run the kernels of ``key`` (``_fla_key`` / ``_projected_key``) forward and backward
-    on a tiny input spanning two token tiles and a ragged tail, against the PyTorch path;
-    raise ``dispatch.KernelMismatch`` (or the kernels' error) if they differ."""
+    on a tiny input of the key's layouts (``specialisation.like``) spanning two token tiles
+    and a ragged tail, against the PyTorch path; raise ``dispatch.KernelMismatch`` (or the
+    kernels' error) if they differ."""
     fla = _kernels()
-    dtypes = {n: getattr(torch, n) for n in ('float32', 'bfloat16', 'float16', 'float64')}
     gen = dispatch.check_generator()
-    op, out_dt, prec = key[:3]
+    op, out_dt, prec, C, h, p = key[:6]
     tol = max(dispatch.TOLERANCES[out_dt], dispatch.TOLERANCES['tf32'] if prec == 'tf32' else 0)
-
-    def rand(*shape, dtype='float32', scale=1.0):
-        t = torch.randn(*shape, generator=gen) * scale
-        return t.to(device=device, dtype=dtypes[dtype]).requires_grad_()
-
+    tokens = 2 * fla.tile_tokens(C, C // h) + 5  # (at least: two tiles and a ragged tail)
+    scale = (0.5 * torch.randn(1, 1, C, generator=gen)).to(device).requires_grad_()
     if op == 'fla_core':
-        _, _, _, q_dt, k_dt, res_dt, C, h, p, pos_dt = key
-        n = 2 * fla.tile_tokens(C, C // h) + 5
-        inputs = [rand(2, n, C, dtype=q_dt), rand(2, n, C, dtype=k_dt),
-                  rand(2, n, C, dtype=out_dt), rand(1, 1, C, scale=0.5),
-                  rand(1, n, C, dtype=pos_dt, scale=0.1) if pos_dt else None,
-                  rand(2, n, C, dtype=res_dt) if res_dt else None]
+        layouts = key[6:11]  # q, k, v, k_pos, residual
+        lq, lk = layouts[:2]
+        B = spec.sized_like(lq[2][0], 2)
+        N, n = spec.sized_like(lq[2][1], tokens), spec.sized_like(lk[2][1], tokens)
+        shapes = [(B, N, C), (B, n, C), (B, n, C), (1, n, C), (B, N, C)]
+        (q, k, v, pos, res), storages = spec.check_leaves(layouts, shapes, device, gen,
+                                                          scales=(1, 1, 1, 0.1, 1))
 
         def run(use_triton):
-            q, k, v, scale, pos, res = inputs
+            qq, kk, vv, pp, rr = spec.views_of((q, k, v, pos, res), storages)
             if use_triton:
-                return fla.fla_core_triton(q, k, v, scale, h, p, k_pos=pos, residual=res)
-            return _focused_linear_core_torch(q, k, v, scale, h, p, pos, res)
+                return fla.fla_core_triton(qq, kk, vv, scale, h, p, k_pos=pp, residual=rr)
+            return _focused_linear_core_torch(qq, kk, vv, scale, h, p, pp, rr)
     elif op == 'fla_projected':
-        _, _, _, q_dt, C, h, p, pos_dt, ks, has_bias, has_dwc_bias = key
-        hw = (5, 2 * fla.tile_tokens(C, C // h) // 5 + 2)  # 2 tiles and a ragged tail
-        n = hw[0] * hw[1]
-        m = 3 if q_dt is None else 2
-        inputs = [None if q_dt is None else rand(2, n, C, dtype=q_dt),
-                  rand(2, n, C, dtype=out_dt), rand(m * C, C, dtype=out_dt, scale=C**-0.5),
-                  rand(m * C, dtype=out_dt, scale=0.1) if has_bias else None,
-                  rand(1, 1, C, scale=0.5),
-                  rand(1, n, C, dtype=pos_dt, scale=0.1) if pos_dt else None,
-                  rand(C, 1, ks, ks, dtype=out_dt, scale=0.2),
-                  rand(C, dtype=out_dt, scale=0.1) if has_dwc_bias else None]
+        lq, lx, lpos = key[6:9]
+        ks, has_bias, has_dwc_bias = key[9:]
+        B = spec.sized_like(lx[2][0], 2)
+        # the map: 5 rows (odd, so the token count has the width's class) of a width that
+        # gives two tiles and a ragged tail
+        n_cls = lx[2][1]
+        hw = (1, 1) if n_cls == 'one' else (5, spec.sized_like(n_cls, -(-tokens // 5)))
+        N = hw[0] * hw[1]
+        m = 3 if lq is None else 2
+        (q, x, pos), storages = spec.check_leaves(
+            (lq, lx, lpos), [(B, N, C), (B, N, C), (1, N, C)], device, gen, scales=(1, 1, 0.1))
+        dt = getattr(torch, out_dt)
+
+        def param(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale).to(device, dt).requires_grad_()
+
+        w, dw = param(m * C, C, scale=C**-0.5), param(C, 1, ks, ks, scale=0.2)
+        b = param(m * C, scale=0.1) if has_bias else None
+        db = param(C, scale=0.1) if has_dwc_bias else None
+        storages += [t for t in (w, b, dw, db) if t is not None]
 
         def run(use_triton):
-            q, x, w, b, scale, pos, dw, db = inputs
+            qq, xx, pp = spec.views_of((q, x, pos), storages)
             if use_triton:
-                return fla.fla_projected_triton(q, x, w, b, scale, h, p, hw, dw, db, k_pos=pos)
-            parts = F.linear(x, w, b).split(C, dim=-1)
+                return fla.fla_projected_triton(qq, xx, w, b, scale, h, p, hw, dw, db,
+                                                k_pos=pp)
+            parts = F.linear(xx, w, b).split(C, dim=-1)
             img = tokens_as_map(parts[-1], hw)
             res = map_as_tokens(F.conv2d(img, dw, db, 1, ks // 2, 1, C))
-            return _focused_linear_core_torch(parts[0] if q is None else q, parts[-2],
-                                              parts[-1], scale, h, p, pos, res)
+            return _focused_linear_core_torch(parts[0] if qq is None else qq, parts[-2],
+                                              parts[-1], scale, h, p, pp, res)
     else:
         raise ValueError(f'unknown FLA kernel op {op!r}')
-    dispatch.compare_paths(op, run, [t for t in inputs if t is not None], gen, tol)
+    dispatch.compare_paths(op, run, storages + [scale], gen, tol)
+
+
 
 dispatch.register_first_use_check('fla', _first_use_check)
 

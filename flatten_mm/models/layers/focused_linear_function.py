@@ -23,8 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
-
+from ..ops.autograd_paths import differentiate_reference, records_backward_graph
 from .pos_embed import _is_compiling
 
 
@@ -61,11 +60,13 @@ def _features_backward(x: torch.Tensor, inv_scale: torch.Tensor, p: int,
     buffer and ``y``'s buffer is the scratch space (both are the caller's temporaries),
     so no new ``x``-sized buffer is made."""
     b, y, nb, ny = feats
-    # grouped so that no power of ||y|| beyond the first is formed: for a token whose
-    # channels are all <= 0, ||y|| ~ 1e-18 (p = 3) and ||y||^3 would underflow
+    # grouped so that no power of ||y|| beyond the second is formed, and that one only
+    # against ||b||: for a token whose channels are all <= 0, ||y|| ~ 1e-18 (p = 3), and
+    # ||y||^3 would underflow (or a large dr times 1 / ||y||^3 overflow)
     dr_ny = dr / ny
-    # db / p = b^(p-1) (dy - c y) + (dr_ny / (p ||b||)) b, c = dr_ny ||b|| / ||y||^2
-    db = dy.addcmul_(y, (dr_ny * (nb / ny)) / ny, value=-1)
+    # db / p = b^(p-1) (dy - c (y / ||y||)) + (dr_ny / (p ||b||)) b, c = dr_ny ||b|| / ||y||
+    # (y's buffer is scratch from here: it holds the unit vector y / ||y||, then b^(p-1))
+    db = dy.addcmul_(y.div_(ny), dr_ny * (nb / ny), value=-1)
     db.mul_(torch.pow(b, p - 1, out=y)).addcmul_(b, dr_ny / (nb * p))
     # ds = sum(db (ReLU(x) + 1e-6)) = sum(db b) / s per channel
     dims = tuple(range(db.dim() - 1))
@@ -113,11 +114,11 @@ PER_SAMPLE_NUMEL = 1 << 17
 
 def batch_chunks(batch: int, num_heads: int, tokens: int, channels: int) -> List[slice]:
     """The batch in the pieces the per-head GEMMs take without copies: whole for one head
-    (the head views are plain ``(B, N, C)``) or small maps, else one sample at a time --
-    a strided ``(B, h, N, d)`` view does not fold into one BLAS batch, and ``matmul``
-    computes aside and copies back (2-3x the time of the per-sample calls at B = 2 and
-    16384 x 96)."""
-    if num_heads == 1 or batch == 1 or tokens * channels < PER_SAMPLE_NUMEL:
+    (the head views are plain ``(B, N, C)``), an empty batch or small maps, else one
+    sample at a time -- a strided ``(B, h, N, d)`` view does not fold into one BLAS batch,
+    and ``matmul`` computes aside and copies back (2-3x the time of the per-sample calls
+    at B = 2 and 16384 x 96)."""
+    if num_heads == 1 or batch <= 1 or tokens * channels < PER_SAMPLE_NUMEL:
         return [slice(0, batch)]
     return [slice(i, i + 1) for i in range(batch)]
 
@@ -129,7 +130,9 @@ def _keys(k: torch.Tensor, k_pos: Optional[torch.Tensor], dt: torch.dtype) -> to
 class FocusedLinearCore(torch.autograd.Function):
     """``focused_linear_core`` (PyTorch path) with a backward that recomputes the focused
     features: ``apply(q, k, v, scale, k_pos, num_heads, focusing_factor)``, ``k_pos``
-    ``None`` or ``(1, n, C)``; the output ``(B, N, C)`` is in ``v``'s dtype.
+    ``None`` or ``(1, n, C)``; the output ``(B, N, C)`` is in ``v``'s dtype. A backward
+    under ``create_graph=True`` differentiates the op-by-op formula instead (registered as
+    ``'fla_core'``), so second derivatives are exact.
 
     Both passes work in the merged ``(B, N, C)`` layout (per-head GEMMs on strided views,
     ``batch_chunks`` at a time) and reuse their temporaries in place: at large ``N``
@@ -147,8 +150,14 @@ class FocusedLinearCore(torch.autograd.Function):
         return out.to(v.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        if records_backward_graph():  # (create_graph: the formula op by op, differentiable)
+            q, k, v, scale, k_pos = ctx.saved_tensors[:5]
+            h, p, _ = ctx.shape
+            grads = differentiate_reference(
+                'fla_core', (q, k, v, scale, k_pos, None, h, p),
+                ctx.needs_input_grad[:5] + (False, ) * 3, (grad_out, ))
+            return tuple(grads[:5]) + (None, None)
         # in float32 (or float64) as the forward, whatever autocast the backward runs in
         with torch.autocast(device_type=grad_out.device.type, enabled=False):
             return FocusedLinearCore._backward(ctx, grad_out)
@@ -225,10 +234,13 @@ def _query_backward(qf, g, kv, k_mean, inv_scale, h: int, p: int, dq: torch.Tens
     qh = _heads(yq, h)
     den = (qh @ k_mean).add_((1e-6 * nyq / nbq).unsqueeze(1))  # (B, h, N, 1)
     num = _heads_matmul(yq, kv, h)
-    dnum = torch.empty_like(num)
-    torch.div(_heads(g, h), den, out=_heads(dnum, h))
+    if strided_out_ok(num):
+        dnum = torch.empty_like(num)
+        torch.div(_heads(g, h), den, out=_heads(dnum, h))
+    else:  # (torch.compile takes no strided out=: the quotient, merged by a copy)
+        dnum = (_heads(g, h) / den).transpose(1, 2).reshape(num.shape)
     # d den = -sum(dnum num) / den per head, (B, h, N, 1)
-    dden = num.mul_(dnum).view(B, N, h, -1).sum(-1).transpose(1, 2).unsqueeze(-1)
+    dden = num.mul_(dnum).view(B, N, h, num.shape[2] // h).sum(-1).transpose(1, 2).unsqueeze(-1)
     dden = dden.div_(den).neg_()
     del num
     dkv = qh.transpose(-2, -1) @ _heads(dnum, h)

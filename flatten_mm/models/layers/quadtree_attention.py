@@ -68,7 +68,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops import dispatch
 from ..ops import quadtree_cpu as cpu_kernels
-from ..ops.autograd_paths import autocast_operands, recorded_eagerly
+from ..ops import specialisation as spec
+from ..ops.autograd_paths import (autocast_operands, differentiate_reference, recorded_eagerly,
+                                  records_backward_graph, register_reference)
 from ..ops.layout import tokens_as_map
 from ..ops.quadtree_layout import (child_candidates, children_to_raster, flat_rows,
                                    group_children, level_queries, to_heads, upsample_tokens)
@@ -112,10 +114,14 @@ class _GatheredMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         a, src, index = ctx.saved_tensors
         t, chunk = ctx.transpose_src, ctx.chunk
+        if records_backward_graph():  # (create_graph: the gathers by indexing)
+            grads = differentiate_reference(
+                lambda a, src: gathered_reference(a, src, index, 0, t), (a, src),
+                ctx.needs_input_grad[:2], (grad, ))
+            return (*grads, None, None, None)
         B, h, L = a.shape[:3]
         M, d = src.shape[2], src.shape[3]
         K = index.shape[-1]
@@ -138,6 +144,75 @@ class _GatheredMatmul(torch.autograd.Function):
         return grad_a, grad_src, None, None, None
 
 
+def gathered_reference(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
+                       parent_width: int, scores: bool) -> torch.Tensor:
+    """``gathered_scores`` (``scores``) or ``gathered_messages`` op by op: the candidate
+    rows gathered by indexing, as one ``(B, h, L, K, d)`` tensor (what a double backward
+    differentiates; no memory bound)."""
+    if parent_width:
+        index = child_candidates(index, parent_width)
+    B, h, L, K = index.shape
+    M, d = src.shape[2:]
+    rows = src.reshape(B * h * M, d)[flat_rows(index.long(), M)].view(B, h, L, K, d)
+    rows = rows.to(a.dtype)
+    return a @ rows.transpose(-1, -2) if scores else a @ rows
+
+
+def final_level_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          index: torch.Tensor, extra: Optional[torch.Tensor],
+                          parent_width: int, grouped: bool) -> torch.Tensor:
+    """The fused final level op by op: scores, softmax (``grouped``, variant A: within each
+    parent's 4 children, times ``extra``, the coarser level's scores), messages (variant
+    B: times ``extra``, the level weight, if given)."""
+    scores = gathered_reference(q, k, index, parent_width, True)
+    if grouped:
+        attn = torch.softmax(scores.unflatten(-1, (scores.shape[-1] // 4, 4)), dim=-1)
+        attn = (attn * extra[:, :, :, None, :, None]).flatten(-2)
+    else:
+        attn = torch.softmax(scores, dim=-1)
+    out = gathered_reference(attn, v, index, parent_width, False)
+    return out if grouped or extra is None else out * extra
+
+
+def _level_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     prev_idx: torch.Tensor, prev_score: Optional[torch.Tensor],
+                     next_idx: torch.Tensor, width: int, temp: float):
+    """``quadtree_cpu.level`` op by op for its selected ``next_idx`` (what a double
+    backward differentiates): ``(msg, next_score)`` of one ``(BH, M, d)`` level in raster
+    order, ``next_score`` ``None`` for variant B (``prev_score`` ``None``)."""
+    BH, M, d = q.shape
+    hw = (M // width, width)
+    qg = group_children(q.transpose(1, 2).reshape(BH, d, *hw), 1) * temp  # (BH, 1, L, 4, d)
+    cand = child_candidates(prev_idx.unsqueeze(1), width // 2)  # (BH, 1, L, 4Kp)
+    scores = gathered_reference(qg, k.unsqueeze(1), cand, 0, True)
+    if prev_score is not None:
+        attn = torch.softmax(scores.unflatten(-1, (prev_idx.shape[-1], 4)), dim=-1)
+        attn = (attn * prev_score.unsqueeze(1)[:, :, :, None, :, None]).flatten(-2)
+    else:
+        attn = torch.softmax(scores, dim=-1)
+    weights, next_score = attn, None
+    if next_idx.shape[-1] and prev_score is not None:
+        # the selected candidates of each child query (their rows in next_idx)
+        topk = next_idx.shape[-1]
+        chosen = group_children(next_idx.transpose(1, 2).reshape(BH, topk, *hw), 1)
+        hit = cand[:, :, :, None, :, None] == chosen.unsqueeze(-2)  # (.., 4, 4Kp, topk)
+        next_score = children_to_raster((attn.unsqueeze(-1) * hit).sum(-2), hw).squeeze(1)
+        weights = attn.masked_fill(hit.any(-1), 0.)
+    msg = gathered_reference(weights, v.unsqueeze(1), cand, 0, False)
+    return children_to_raster(msg, hw).squeeze(1), next_score
+
+
+register_reference('qt_gathered_scores',
+                   lambda a, src, index, pw: gathered_reference(a, src, index, pw, True))
+register_reference('qt_gathered_messages',
+                   lambda a, src, index, pw: gathered_reference(a, src, index, pw, False))
+register_reference('qt_final_b', lambda q, k, v, index, scale, pw: final_level_reference(
+    q, k, v, index, scale, pw, False))
+register_reference('qt_final_a', lambda q, k, v, index, prev_score, pw: final_level_reference(
+    q, k, v, index, prev_score, pw, True))
+register_reference('quadtree_level', _level_reference)
+
+
 def _kernels():
     """The Triton kernel module (imported only once ``ops.dispatch`` said it imports; a
     plain import, which ``torch.compile`` traces without a graph break)."""
@@ -154,12 +229,15 @@ def _dt(t: Optional[torch.Tensor]) -> Optional[str]:
 
 
 def _gathered_key(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor, scores: bool,
-                  parent_width: int) -> tuple:
+                  parent_width: int, a_layout: Optional[tuple] = None) -> tuple:
     """The first-use key of a gathered-scores / -messages kernel call (``ops.dispatch``):
-    the op, dtypes, children per parent, candidates, head dim and index kind."""
+    the op, ``a``'s dtype, children per parent, candidates, head dim, index kind and the
+    ``specialisation.layout`` of every input (``a_layout``: ``a``'s, given instead of
+    ``a`` itself, which may then be any tensor of ``a``'s dtype and device)."""
     K = index.shape[-1] * (4 if parent_width else 1)
-    return ('qt_scores' if scores else 'qt_messages', _dt(a), _dt(src), _dt(index),
-            int(a.shape[3]), int(K), int(src.shape[-1]), parent_width > 0)
+    return ('qt_scores' if scores else 'qt_messages', _dt(a), int(a.shape[3]), int(K),
+            int(src.shape[-1]), parent_width > 0, a_layout or spec.layout(a),
+            spec.layout(src), spec.layout(index), spec.size_class(parent_width))
 
 
 def _use_qt_triton(use_triton: Optional[bool], a: torch.Tensor, src: torch.Tensor,
@@ -169,8 +247,7 @@ def _use_qt_triton(use_triton: Optional[bool], a: torch.Tensor, src: torch.Tenso
     ``ValueError`` saying why not -- and in auto mode the first-use check)."""
     return dispatch.use_kernels(
         use_triton, 'quadtree', a,
-        lambda: _kernels().check_inputs(a, src, index, scores,
-                                                                parent_width),
+        lambda: _kernels().check_inputs(a, src, index, scores, parent_width),
         lambda: _gathered_key(a, src, index, scores, parent_width), _records_grad(a, src))
 
 
@@ -178,8 +255,9 @@ def _final_key(attn_type: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                index: torch.Tensor, extra: Optional[torch.Tensor], parent_width: int) -> tuple:
     """The first-use key of a fused final-level kernel call (see ``_gathered_key``)."""
     K = index.shape[-1] * (4 if parent_width else 1)
-    return (f'qt_final_{attn_type.lower()}', _dt(q), _dt(k), _dt(v), _dt(index), int(K),
-            int(q.shape[-1]), parent_width > 0, _dt(extra))
+    return (f'qt_final_{attn_type.lower()}', _dt(q), int(K), int(q.shape[-1]),
+            parent_width > 0, spec.layout(q), spec.layout(k), spec.layout(v),
+            spec.layout(index), spec.layout(extra), spec.size_class(parent_width))
 
 
 def _use_final_kernel(use_triton: Optional[bool], attn_type: str, q: torch.Tensor,
@@ -200,12 +278,38 @@ def _use_final_kernel(use_triton: Optional[bool], attn_type: str, q: torch.Tenso
 def _level_uses_triton(use_triton: Optional[bool], k: torch.Tensor, num_candidates: int,
                        records_grad: bool) -> bool:
     """Whether a finer level (keys ``k`` ``(B, h, M, d)``, ``num_candidates`` per parent)
-    will run the Triton kernels: then inference takes the batched path with them."""
+    may run the Triton kernels (the gates and the tile size; in auto mode inference then
+    also asks ``_level_kernels_checked``)."""
     if not dispatch.wanted(use_triton, 'quadtree', k, records_grad):
         return False
     if use_triton:
         return True  # (gathered_scores raises if the kernels cannot take the level)
     return _kernels().tile_fits(num_candidates, k.shape[-1])
+
+
+def _level_kernels_checked(run: '_CoreRun', i: int, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, index: torch.Tensor, iw: int,
+                           final: bool) -> bool:
+    """Auto mode, inference: whether the kernel configurations the level would run passed
+    their first-use checks (run now if not yet): the fused final level, or the gathered
+    scores and messages. If not, the level takes the chunked PyTorch path
+    (``_level_in_chunks``) -- not the batched one, whose ``(B, h, L, 4, 4K)`` weights the
+    kernels existed to avoid."""
+    if final:
+        extra = run.prev_score if run.attn_type == 'A' else (
+            None if run.level_weights is None else run.level_weights[i])
+        if _use_final_kernel(None, run.attn_type, q, k, v, index, extra, iw, False):
+            return True
+    if not _use_qt_triton(None, q, k, index, True, iw):
+        return False
+    # the messages' weights: a fresh float32 (B, h, L, 4, K) tensor, described, not made
+    # (q stands in for it where only its dtype, device and children count are read)
+    shape = (*q.shape[:4], index.shape[-1] * (4 if iw else 1))
+    weights = spec.contiguous_layout(shape, torch.float32)
+    return dispatch.use_kernels(
+        None, 'quadtree', q,
+        lambda: _kernels().check_inputs(q.new_empty(()).expand(shape), v, index, False, iw),
+        lambda: _gathered_key(q, v, index, False, iw, a_layout=weights))
 
 
 def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: int) -> int:
@@ -585,6 +689,13 @@ def _finer_level(run: _CoreRun, i: int, query: torch.Tensor, key: torch.Tensor,
     k, v = to_heads(key, run.h), to_heads(value, run.h)  # (B, h, hi*wi, d)
     kernels = _level_uses_triton(run.use_triton, k, 4 * run.prev_idx.shape[-1],
                                  not run.inference)
+    q = None
+    if kernels and run.inference and run.use_triton is None:
+        # (a configuration that failed its check sends the level to the chunked path)
+        q = level_queries(query, run.h, run.temp)
+        kv = (k, v) if k.dtype in _HALF and v.dtype in _HALF else (k.float(), v.float())
+        kernels = _level_kernels_checked(run, i, q, *kv, run.prev_idx.int(), run.grid[1],
+                                         final)
     if not (kernels and k.dtype in _HALF and v.dtype in _HALF):
         k, v = k.float(), v.float()
     # (else bf16 / fp16 keys and values go to the kernels as they are: they read them
@@ -595,7 +706,8 @@ def _finer_level(run: _CoreRun, i: int, query: torch.Tensor, key: torch.Tensor,
     elif not kernels and _uses_cpu_kernels(run, k):
         msg = _level_cpu_train(run, i, query, k, v, final)
     else:
-        q = level_queries(query, run.h, run.temp)  # (B, h, L, 4, d), pre-scaled
+        if q is None:
+            q = level_queries(query, run.h, run.temp)  # (B, h, L, 4, d), pre-scaled
         if kernels and run.prev_idx.dtype != torch.int32:
             # int32 indices for the kernels (the ops save them for the backward: half the
             # bytes of int64; the levels below inherit the dtype)
@@ -652,14 +764,15 @@ def _level_cpu_train(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor
     Kp = run.prev_idx.shape[-1]
     topk = 0 if final else run.topks[i]
     prev_score = run.prev_score.reshape(BH, M // 4, Kp) if run.attn_type == 'A' else None
+    d = C // run.h
     msg, idx, score = cpu_kernels.level(
-        to_heads(query.float(), run.h).reshape(BH, M, -1), k.reshape(BH, M, -1),
-        v.reshape(BH, M, -1), run.prev_idx.reshape(BH, M // 4, Kp), prev_score, wi, run.temp,
-        topk)
+        to_heads(query.float(), run.h).reshape(BH, M, d), k.reshape(BH, M, d),
+        v.reshape(BH, M, d), run.prev_idx.reshape(BH, M // 4, Kp), prev_score, wi,
+        run.temp, topk)
     if not final:
         run.prev_idx = idx.view(B, run.h, M, topk)
         run.prev_score = score.view(B, run.h, M, topk) if run.attn_type == 'A' else None
-    return msg.view(B, run.h, M, -1)
+    return msg.view(B, run.h, M, d)
 
 
 def _candidates(index: torch.Tensor, iw: int) -> torch.Tensor:
@@ -1101,8 +1214,10 @@ class QuadTreeAttention(nn.Module):
         """B's value map of the next coarser level (``value_branchs[t]``; recomputed in the
         backward when ``recompute_values`` and autograd records it)."""
         branch = self.value_branchs[t]
-        if self.recompute_values and recorded_eagerly(v, *branch.parameters()):
-            # (no random op in a branch: no RNG state to restore)
+        if (self.recompute_values and recorded_eagerly(v, *branch.parameters())
+                and not torch.compiler.is_compiling()):
+            # (no random op in a branch: no RNG state to restore; under torch.compile the
+            # compiler decides what it keeps)
             return checkpoint(branch, v, use_reentrant=False, preserve_rng_state=False)
         return branch(v)
 
@@ -1160,7 +1275,8 @@ class QuadTreeAttention(nn.Module):
         f = self.size_divisor
         pad_h, pad_w = (-H) % f, (-W) % f
         if pad_h or pad_w:
-            x = F.pad(x.reshape(B, H, W, C), (0, 0, 0, pad_w, 0, pad_h)).reshape(B, -1, C)
+            x = F.pad(x.reshape(B, H, W, C), (0, 0, 0, pad_w, 0, pad_h)).reshape(
+                B, (H + pad_h) * (W + pad_w), C)
         Hp, Wp = H + pad_h, W + pad_w
         # the 1x1-conv projections as matmuls on the tokens (same maths, no NCHW copies);
         # under autocast x and the weights are cast here, as the matmuls would cast them:
@@ -1192,61 +1308,52 @@ class QuadTreeAttention(nn.Module):
 
 def _first_use_check(key: tuple, device: torch.device) -> None:
     """Run the kernel of ``key`` (``_gathered_key`` / ``_final_key``) forward and backward
-    on a tiny level (parents spanning two program blocks and a ragged tail) against the
-    PyTorch path; raise ``dispatch.KernelMismatch`` (or the kernel's error) if they differ."""
+    on a tiny level of the key's layouts (``specialisation.like``: parents spanning two
+    program blocks and a ragged tail) against the PyTorch path; raise
+    ``dispatch.KernelMismatch`` (or the kernel's error) if they differ."""
     qt = _kernels()
     gen = dispatch.check_generator()
     op = key[0]
     if op in ('qt_scores', 'qt_messages'):
-        _, a_dt, src_dt, idx_dt, nf, K, d, parents = key
-        dts = (a_dt, src_dt)
-        L = 2 * qt.tile_parents(K, d) + 1
+        _, _, nf, K, d, parents, *layouts, pw_cls = key  # a, src, index
+        L_min = 2 * qt.tile_parents(K, d) + 1
     else:
-        _, q_dt, k_dt, v_dt, idx_dt, K, d, parents, extra_dt = key
-        dts, nf = (q_dt, k_dt, v_dt), 4
-        L = 2 * qt.tile_parents(K, d, fused=True) + 1
-    B, h, pw = 1, 2, L  # the parents form a 1 x L grid, the level a 2 x 2L map
-    M = 4 * L
-
-    def rand(*shape, dtype='float32', positive=False):
-        t = torch.randn(*shape, generator=gen)
-        t = t.abs() + 0.1 if positive else t
-        return t.to(device=device, dtype=getattr(torch, dtype)).requires_grad_()
-
-    if parents:
-        index = torch.randint(0, L, (B, h, L, K // 4), generator=gen)
-    else:
-        index = torch.randint(0, M, (B, h, L, K), generator=gen)
-    index = index.to(device=device, dtype=getattr(torch, idx_dt))
+        _, _, K, d, parents, *layouts, pw_cls = key  # q, k, v, index, extra
+        nf, L_min = 4, 2 * qt.tile_parents(K, d, fused=True) + 1
+    la, lsrc, lidx = layouts[0], layouts[1], layouts[-2 if op.startswith('qt_final') else 2]
+    B, h = spec.sized_like(la[2][0], 1), spec.sized_like(la[2][1], 2)
+    ph, pw = _parent_grid(la[2][2], pw_cls if parents else la[2][2], L_min)
+    L, M = ph * pw, 4 * ph * pw  # the level is a (2 ph) x (2 pw) map
+    Kidx = K // 4 if parents else K
+    index = spec.like(lidx, (B, h, L, Kidx), device, gen,
+                      integers=L if parents else M)[0]
     iw = pw if parents else 0
-    tol = max(dispatch.TOLERANCES[t] for t in dts)
-    if op == 'qt_scores':
-        leaves = [rand(B, h, L, nf, d, dtype=a_dt), rand(B, h, M, d, dtype=src_dt)]
+    # (the float inputs: a and src, or q, k and v)
+    tol = max(dispatch.TOLERANCES[lay[0]] for lay in layouts[:3 if op.startswith('qt_f') else 2])
+    if op in ('qt_scores', 'qt_messages'):
+        scores = op == 'qt_scores'
+        views, storages = spec.check_leaves(
+            (la, lsrc), [(B, h, L, nf, d if scores else K), (B, h, M, d)], device, gen,
+            positive=(not scores, False))
+        gathered = gathered_scores if scores else gathered_messages
+        kernel = qt.gathered_scores_triton if scores else qt.gathered_messages_triton
 
         def run(use_triton):
+            a, src = spec.views_of(views, storages)
             if use_triton:
-                return qt.gathered_scores_triton(*leaves, index, iw)
-            return gathered_scores(*leaves, index, use_triton=False, parent_width=iw)
-    elif op == 'qt_messages':
-        leaves = [rand(B, h, L, nf, K, dtype=a_dt, positive=True),
-                  rand(B, h, M, d, dtype=src_dt)]
-
-        def run(use_triton):
-            if use_triton:
-                return qt.gathered_messages_triton(*leaves, index, iw)
-            return gathered_messages(*leaves, index, use_triton=False, parent_width=iw)
+                return kernel(a, src, index, iw)
+            return gathered(a, src, index, use_triton=False, parent_width=iw)
     else:
         grouped = op == 'qt_final_a'
-        leaves = [rand(B, h, L, 4, d, dtype=q_dt), rand(B, h, M, d, dtype=k_dt),
-                  rand(B, h, M, d, dtype=v_dt)]
-        if grouped:
-            leaves.append(rand(B, h, L, K // 4, dtype=extra_dt, positive=True))
-        elif extra_dt is not None:
-            leaves.append(rand(1, dtype=extra_dt, positive=True))
+        lq, lk, lv, _, lextra = layouts
+        shapes = [(B, h, L, 4, d), (B, h, M, d), (B, h, M, d),
+                  (B, h, L, K // 4) if grouped else  # (B: the level weight, any shape of 1)
+                  tuple(1 for _ in (lextra.sizes if lextra else ()))]
+        views, storages = spec.check_leaves((lq, lk, lv, lextra), shapes, device, gen,
+                                        positive=(False, False, False, True))
 
         def run(use_triton):
-            q, k, v, *extra = leaves
-            extra = extra[0] if extra else None
+            q, k, v, extra = spec.views_of(views, storages)
             if use_triton:
                 fn = qt.final_level_a_triton if grouped else qt.final_level_b_triton
                 return fn(q, k, v, index, extra, iw)
@@ -1258,7 +1365,21 @@ def _first_use_check(key: tuple, device: torch.device) -> None:
                 attn = torch.softmax(scores, dim=-1)
             out = gathered_messages(attn, v, index, use_triton=False, parent_width=iw)
             return out if grouped or extra is None else out * extra
-    dispatch.compare_paths(op, run, leaves, gen, tol)
+    dispatch.compare_paths(op, run, storages, gen, tol)
+
+
+def _parent_grid(parents_cls, width_cls, at_least: int) -> Tuple[int, int]:
+    """A parent grid ``(ph, pw)`` of at least ``at_least`` cells whose width and cell
+    count have the given ``specialisation.size_class`` es (a level's ``L = ph * pw``)."""
+    pw = spec.sized_like(width_cls, 2 if width_cls != parents_cls else at_least)
+    if parents_cls == width_cls and spec.size_class(pw) == parents_cls:
+        return 1, pw
+    for ph in range(max(1, -(-at_least // pw)), max(1, -(-at_least // pw)) + 64):
+        if spec.size_class(ph * pw) == parents_cls:
+            return ph, pw
+    raise ValueError(f'no parent grid with {parents_cls} cells and width {width_cls}')
+
+
 
 dispatch.register_first_use_check('quadtree', _first_use_check)
 

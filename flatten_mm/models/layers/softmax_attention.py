@@ -53,7 +53,7 @@ class SpatialReductionAttention(KVReductionMixin, nn.Module):
         h = self.num_heads
         q = self.q(x).reshape(B, N, h, C // h).transpose(1, 2)
         x_, _ = self.reduce_kv_input(x, hw_shape)
-        k, v = self.kv(x_).reshape(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)
+        k, v = self.kv(x_).reshape(B, x_.shape[1], 2, h, C // h).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0.)
         out = out.transpose(1, 2).reshape(B, N, C)

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops.autograd_paths import recorded_eagerly
+from ..ops.autograd_paths import (differentiate_reference, recorded_eagerly,
+                                  records_backward_graph)
 from .conv import map_as_tokens, tokens_as_map
 from .shape import nchw_to_nlc
 
@@ -144,13 +145,19 @@ class _GELUBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, weight: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], bn: nn.Module, approximate: str) -> torch.Tensor:
-        ctx.save_for_backward(z, weight)
+        ctx.save_for_backward(z, weight, bias)
         ctx.eps, ctx.approximate = bn.eps, approximate
         return bn(F.gelu(z, approximate=approximate))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        z, weight = ctx.saved_tensors
+        z, weight, bias = ctx.saved_tensors
+        if records_backward_graph():  # (create_graph: the plain ops, differentiable)
+            def reference(z, weight, bias):
+                return F.batch_norm(F.gelu(z, approximate=ctx.approximate), None, None,
+                                    weight, bias, True, 0.0, ctx.eps)
+            return (*differentiate_reference(reference, (z, weight, bias),
+                                             ctx.needs_input_grad[:3], (grad, )), None, None)
         a = F.gelu(z, approximate=ctx.approximate)  # recomputed
         # the batch statistics by the kernel that computed them in the forward (the same
         # values; its normalised output is dropped)
@@ -197,7 +204,8 @@ class LPI(nn.Module):
 
     def _recomputes_act(self, z: torch.Tensor) -> bool:
         """Whether ``_GELUBatchNorm`` runs (see ``recompute_act``); a synchronising batch
-        norm, eval mode, autocast, a swapped activation or norm keep the plain modules."""
+        norm, eval mode, autocast, an empty batch, a swapped activation or norm keep the
+        plain modules."""
         bn = self.bn
         # (a _BatchNorm with the base forward: BatchNorm2d, mmengine's reverted SyncBN)
         local_bn = isinstance(bn, _BatchNorm) and (
@@ -205,7 +213,7 @@ class LPI(nn.Module):
             or (type(bn).forward is nn.SyncBatchNorm.forward
                 and not (dist.is_available() and dist.is_initialized())))
         return (self.recompute_act and type(self.act) is nn.GELU and local_bn
-                and bn.training and not torch.is_autocast_enabled(z.device.type)
+                and bn.training and z.numel() > 0 and not torch.is_autocast_enabled(z.device.type)
                 and recorded_eagerly(z, *bn.parameters()))
 
     def forward(self, x: torch.Tensor, hw_shape: Tuple[int, int]) -> torch.Tensor:

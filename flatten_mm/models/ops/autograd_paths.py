@@ -2,7 +2,7 @@
 when they apply, and the autocast casts of the fused paths that run outside autocast."""
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -138,3 +138,59 @@ def recomputed_when_saved(value: torch.Tensor, recompute: Callable[..., torch.Te
                 yield
     finally:
         _ACTIVE.entries.pop()
+
+
+#: name -> reference formula of a fast path's custom autograd function, registered by the
+#: operator module that owns it (the fast paths here cannot import ``models/layers``)
+_REFERENCES: Dict[str, Callable[..., Any]] = {}
+
+
+def register_reference(name: str, fn: Callable[..., Any]) -> None:
+    """Set the plain-PyTorch formula of the custom function ``name``: what
+    ``differentiate_reference(name, ...)`` differentiates in a double backward."""
+    _REFERENCES[name] = fn
+
+
+def reference(name: str) -> Callable[..., Any]:
+    """The formula registered as ``name`` (``register_reference``)."""
+    return _REFERENCES[name]
+
+
+def records_backward_graph() -> bool:
+    """Whether a custom function's backward runs under ``create_graph=True`` (autograd then
+    records the backward: gradient penalties, double backward), outside tracing."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def differentiate_reference(formula: Union[str, Callable[..., Any]], inputs: Sequence[Any],
+                            needs_input_grad: Sequence[bool],
+                            grad_outputs: Sequence[Optional[torch.Tensor]]) -> list:
+    """The input gradients of a custom autograd function whose backward records a graph
+    (``records_backward_graph``): its reference ``formula`` (a registered name, or a function)
+    re-run with autograd on the saved inputs -- which carry the forward's graph -- and
+    differentiated with ``create_graph=True``. So the memory-lean and fused backwards,
+    written for one differentiation, give exact higher derivatives where they are asked
+    for, at the cost of the op-by-op formula. Returns one entry per input (``None`` where
+    no gradient is needed)."""
+    fn = _REFERENCES[formula] if isinstance(formula, str) else formula
+    wrt = [i for i, (t, need) in enumerate(zip(inputs, needs_input_grad))
+           if need and isinstance(t, torch.Tensor) and t.requires_grad]
+    result = [None] * len(inputs)
+    with torch.enable_grad():
+        # each input through a view of its own: the formula's partial derivatives, even
+        # where one input depends on another (q = x W^T beside x): the gradient with
+        # respect to x itself would also run through q, which the caller's graph does
+        aliased = list(inputs)
+        for i in wrt:
+            aliased[i] = inputs[i].view_as(inputs[i])
+        outs = fn(*aliased)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs, )
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    if not pairs or not wrt:
+        return result
+    grads = torch.autograd.grad([o for o, _ in pairs], [aliased[i] for i in wrt],
+                                [g for _, g in pairs], create_graph=True, allow_unused=True)
+    for i, g in zip(wrt, grads):
+        result[i] = torch.zeros_like(inputs[i]) if g is None else g
+    return result

@@ -8,8 +8,9 @@ only if it says yes; the PyTorch path is the fallback and the reference.
 ``use_triton`` (an operator argument, ``attn_cfg=dict(use_triton=...)`` in a backbone):
 
 * ``False``, or ``FLATTEN_MM_TRITON=0`` in the environment: never.
-* ``True``: always; anything that stands in the way raises (the kernels do not import,
-  the inputs do not fit, deterministic mode with atomics), and a kernel error propagates.
+* ``True``: always (but for an empty batch, which takes the PyTorch path: there is nothing
+  to compute); anything that stands in the way raises (the kernels do not import, the
+  inputs do not fit, deterministic mode with atomics), and a kernel error propagates.
 * ``None`` (auto, the default): on CUDA tensors, outside tracing / ONNX export, when
   Triton imports, and then only after passing these gates, in this order:
 
@@ -21,16 +22,25 @@ only if it says yes; the PyTorch path is the fallback and the reference.
      shared memory for the tiles the launch would compile (``kernel_limits``);
   4. **the first-use check**: the first time a kernel configuration (``key``: the op and
      everything that selects its compiled specialisation -- dtypes, matmul precision,
-     channels, heads, ...) meets a device in this process, its forward and backward run on
-     a tiny input spanning at least two tiles with a ragged tail, against the PyTorch path
-     (``register_first_use_check``), synchronised, inside ``try``. An exception or a
+     channels, heads, and the ``specialisation.layout`` of every input: alignment, size
+     and stride classes) meets a device in this process, its forward and backward run on
+     a tiny input of the same layout spanning at least two tiles with a ragged tail,
+     against the PyTorch path (``register_first_use_check``), synchronised, inside
+     ``try``. The check runs in a thread of its own, so nothing of the caller's -- saved-
+     tensor hooks (``with_cp``'s checkpoint, offloading), grad / inference mode, autocast,
+     ``torch.func`` transforms, compile tracing -- reaches it, and it changes nothing of
+     the caller's (RNG included). During CUDA-graph capture it does not run: that call
+     takes the PyTorch path and the check runs at the next eager call. An exception or a
      mismatch beyond ``TOLERANCES`` gives **one** ``RuntimeWarning`` naming the op, the
-     device (name, compute capability), the dtype and the error, and the PyTorch path for
-     that configuration from then on. The verdict is cached per (family, device, key).
+     device (name, compute capability), the dtype and what happened, and the PyTorch path
+     for that configuration from then on. The verdict is cached per (family, device, key).
 
   A kernel that raises later in eager mode (a specialisation the check did not compile)
   is treated the same way (``guarded``): one warning, the PyTorch path for that call and
-  every later one of its configuration. Out-of-memory errors are re-raised.
+  every later one of its configuration. Out-of-memory errors are re-raised, and so are
+  errors that leave the device unusable (an illegal address, a device-side assert: CUDA
+  keeps failing after them, so a fallback cannot run), as ``DeviceUnusable`` naming the
+  kernel.
 
 Under ``torch.compile`` every decision is a constant of the graph (``assume_constant_result``:
 no graph break; a verdict not yet made runs its check when the graph is traced). On CPU
@@ -41,9 +51,11 @@ import importlib
 import os
 import threading
 import warnings
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from . import specialisation
 
 #: environment switch: ``FLATTEN_MM_TRITON=0`` turns the Triton kernels off everywhere
 TRITON_ENV = 'FLATTEN_MM_TRITON'
@@ -75,6 +87,41 @@ _warned = set()
 
 class KernelMismatch(AssertionError):
     """A kernel's result differs from the PyTorch path beyond the tolerance."""
+
+
+class DeviceUnusable(RuntimeError):
+    """A kernel left its CUDA device unusable (a sticky error): no fallback can run."""
+
+
+#: CUDA errors that stay set in the context once raised (cudaError_t codes) ...
+_STICKY_CODES = frozenset((700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 720, 214))
+#: ... and how the CUDA runtime / driver (through PyTorch or Triton) words them
+_STICKY_WORDS = ('illegal memory access', 'illegal address', 'illegal instruction',
+                 'misaligned address', 'unspecified launch failure', 'device-side assert',
+                 'hardware stack error', 'invalid program counter', 'launch timed out',
+                 'uncorrectable ecc', 'cuda_error_illegal', 'cuda_error_launch_failed',
+                 'cuda_error_assert', 'cuda_error_misaligned')
+
+
+def leaves_device_unusable(error: BaseException) -> bool:
+    """Whether ``error`` is a sticky CUDA error: after it every CUDA call of the process
+    fails, so a fallback on the device would only fail with an unrelated message."""
+    if getattr(error, 'error_code', None) in _STICKY_CODES:
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in _STICKY_WORDS)
+
+
+def _unusable(family: str, key: tuple, device: torch.device, error: BaseException,
+              when: str) -> DeviceUnusable:
+    op, dtype = (key + ('?', '?'))[:2]
+    msg = str(error).strip().splitlines()
+    return DeviceUnusable(
+        f'flatten_mm: the {family} Triton kernel {op} ({dtype}) left {device} unusable '
+        f'{when}: {type(error).__name__}: {msg[0] if msg else ""}. CUDA fails every later '
+        'call of this process, so there is no fallback: restart it, and set '
+        'FLATTEN_MM_TRITON=0 (or use_triton=False) to run without the kernels; please '
+        f'report the kernel and configuration {key}')
 
 
 def triton_env_enabled() -> bool:
@@ -167,6 +214,8 @@ def wanted(use_triton: Optional[bool], family: str, x: torch.Tensor,
     serve tensors like ``x`` (``use_triton=True``: ``RuntimeError`` where they cannot)."""
     if use_triton is False or use_triton is None and not _auto_device(x):
         return False  # (first: nothing else is looked at on the CPU path, e.g. under dynamo)
+    if x.numel() == 0:
+        return False  # (an empty batch: nothing to compute, the PyTorch path in every mode)
     if not triton_env_enabled():
         return False
     if use_triton is None:
@@ -215,50 +264,86 @@ def use_kernels(use_triton: Optional[bool], family: str, x: torch.Tensor,
 @torch.compiler.assume_constant_result
 def verdict(family: str, device_type: str, index: Optional[int], key: tuple) -> bool:
     """Whether the kernel configuration ``key`` passed its first-use check on the device
-    (run now if it was not checked yet in this process)."""
+    (run now if it was not checked yet in this process; ``False`` without a verdict during
+    CUDA-graph capture, where the check cannot run)."""
     device = torch.device(device_type, index)
     cache_key = (family, _device_key(device), key)
     with _lock:
-        if cache_key not in _verdicts:
-            _verdicts[cache_key] = _run_first_use_check(family, device, key)
-        return _verdicts[cache_key]
+        if cache_key in _verdicts:
+            return _verdicts[cache_key]
+    if stream_capturing(device):
+        return False  # (the PyTorch path for this call; the check runs at an eager call)
+    passed = _run_first_use_check(family, device, key)
+    with _lock:
+        return _verdicts.setdefault(cache_key, passed)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return (device.type == 'cuda' and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def _run_first_use_check(family: str, device: torch.device, key: tuple) -> bool:
     check = _checks.get(family)
     if check is None:
         return True  # (no check registered: the operator module was not imported)
-    try:
-        with _neutral_context(device):
-            check(key, device)
-            if device.type == 'cuda':
-                torch.cuda.synchronize(device)
+    # (under torch.compile the inputs' alignment is the compiler's: both variants)
+    keys = ([specialisation.resolved(key, True), specialisation.resolved(key, False)]
+            if specialisation.unknown_alignment(key) else [key])
+    error = run_isolated(lambda: [_checked(check, k, device) for k in keys], device)
+    if error is None:
         return True
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as e:  # every failure of an unproven kernel means: not this one
-        report_failure(family, key, device, e, 'failed its first-use check')
-        return False
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        raise error
+    if leaves_device_unusable(error):
+        raise _unusable(family, key, device, error, 'in its first-use check') from error
+    what = ('disagreed with the PyTorch path in its first-use check'
+            if isinstance(error, KernelMismatch) else 'raised in its first-use check')
+    report_failure(family, key, device, error, what)
+    return False
 
 
-@contextlib.contextmanager
-def _neutral_context(device: torch.device) -> Iterator[None]:
-    """Grad on, autocast off, not in inference mode, on ``device``, with the caller's RNG
-    state untouched (the check draws from its own generator)."""
-    with torch.inference_mode(False), torch.enable_grad(), \
-            torch.autocast(device.type, enabled=False), device_guard(device):
-        yield
+def _checked(check: Callable[[tuple, torch.device], None], key: tuple,
+             device: torch.device) -> None:
+    with device_guard(device):
+        check(key, device)
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
+
+def run_isolated(fn: Callable[[], None], device: torch.device) -> Optional[BaseException]:
+    """Run ``fn`` in a new thread and return what it raised (``None`` if nothing): the
+    thread starts with PyTorch's defaults -- grad mode on, no inference mode, autocast off,
+    no saved-tensor hooks, no ``torch.func`` transform, no compile tracing, no dispatch
+    mode -- whatever the caller's thread has on, and what ``fn`` records is its own. (The
+    global settings stay: deterministic algorithms, anomaly mode, TF32 flags.)"""
+    outcome: Dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # (handed to the caller's thread)
+            outcome['error'] = e
+
+    thread = threading.Thread(target=target, name='flatten_mm-first-use-check', daemon=True)
+    thread.start()
+    thread.join()
+    return outcome.get('error')
 
 
 def report_failure(family: str, key: tuple, device: torch.device, error: BaseException,
                    what: str) -> None:
     """The one warning of a failed kernel configuration (and its verdict: not used again)."""
+    op, dtype = (key + ('?', '?'))[:2]
+    # (one warning per op, dtype, device and kind of failure: the configurations of one
+    # op differ in layouts and sizes, and the same failure of each is one message)
+    seen = (family, op, dtype, _device_key(device), what, type(error).__name__)
     with _lock:
         _verdicts[(family, _device_key(device), key)] = False
-        if (family, key, _device_key(device)) in _warned:
+        if seen in _warned:
             return
-        _warned.add((family, key, _device_key(device)))
-    op, dtype = (key + ('?', '?'))[:2]
+        _warned.add(seen)
     msg = str(error).strip().splitlines()
     warnings.warn(
         f'flatten_mm: the {family} Triton kernel {op} ({dtype}) {what} on '
@@ -272,8 +357,9 @@ def guarded(family: str, key: tuple, device: torch.device, forced: bool,
             kernel: Callable[[], object], fallback: Callable[[], object]):
     """``kernel()``, or in auto mode, eagerly, if it raises (a compilation or resource error
     of a specialisation the first-use check did not compile): the one warning and
-    ``fallback()``. Out-of-memory errors and errors under ``use_triton=True`` propagate;
-    under ``torch.compile`` the kernel call is traced as it is."""
+    ``fallback()``. Out-of-memory errors and errors under ``use_triton=True`` propagate, and
+    an error that leaves the device unusable raises ``DeviceUnusable`` (no fallback could
+    run); under ``torch.compile`` the kernel call is traced as it is."""
     if forced or torch.compiler.is_compiling():
         return kernel()
     try:
@@ -281,6 +367,8 @@ def guarded(family: str, key: tuple, device: torch.device, forced: bool,
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:
+        if leaves_device_unusable(e):
+            raise _unusable(family, key, device, e, 'when it ran') from e
         report_failure(family, key, device, e, 'raised')
         return fallback()
 

@@ -52,8 +52,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..ops.autograd_paths import autocast_operands
+from .autograd_paths import (autocast_operands, differentiate_reference, records_backward_graph,
+                             reference)
 from .layout import map_as_tokens, tokens_as_map
+from .specialisation import kernel_grad
 from .triton_common import (INTERPRETED, cast_rne, device_problem, on_tensor_device, relu,
                             shared_memory_problem)
 
@@ -637,11 +639,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_kv, grad_ks):
     q, k, v, scale, k_pos, kv, ks = ctx.saved_tensors
-    dq, dk, dv, dscale, dpos = torch.ops.flatten_mm.fla_core_backward(
-        grad_out, q, k, v, scale, k_pos, kv, ks, ctx.num_heads, ctx.focusing_factor)
-    dpos = dpos.reshape(k_pos.shape).to(k_pos.dtype) if k_pos is not None else None
     # the residual is added to the output: its gradient is the output's (no kernel)
     dres = None if ctx.residual_dtype is None else grad_out.to(ctx.residual_dtype)
+    if records_backward_graph():  # (create_graph: the formula op by op, ``'fla_core'``)
+        grads = differentiate_reference(
+            'fla_core', (q, k, v, scale, k_pos, None, ctx.num_heads, ctx.focusing_factor),
+            ctx.needs_input_grad[:5] + (False, ) * 3, (grad_out, ))
+        return tuple(grads[:5]) + (dres, None, None)
+    dq, dk, dv, dscale, dpos = torch.ops.flatten_mm.fla_core_backward(
+        kernel_grad(grad_out), q, k, v, scale, k_pos, kv, ks, ctx.num_heads,
+        ctx.focusing_factor)
+    dpos = dpos.reshape(k_pos.shape).to(k_pos.dtype) if k_pos is not None else None
     return dq, dk, dv, dscale.reshape(scale.shape), dpos, dres, None, None
 
 
@@ -653,7 +661,7 @@ def fla_core_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: to
                     k_pos: Optional[torch.Tensor] = None,
                     residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``focused_linear_core`` by the fused kernels (differentiable in ``q, k, v, scale,
-    k_pos, residual``; no double backward).
+    k_pos, residual``; a double backward differentiates the registered op-by-op formula).
 
     Args:
         q: ``(B, N, C)`` queries (any strides), float32 / bfloat16 / float16.
@@ -742,16 +750,33 @@ class _ProjectedFLA(torch.autograd.Function):
         res = _dwc_tokens(v, dwc_weight, dwc_bias, hw_shape)
         out, kv, ks = torch.ops.flatten_mm.fla_core(qq, k, v, scale, k_pos, res, num_heads,
                                                     focusing_factor)
-        # (the DWC bias is not needed, only whether there is one)
-        ctx.save_for_backward(q, x, weight, bias, scale, k_pos, dwc_weight, kv, ks)
+        # (the DWC bias only for a double backward's formula)
+        ctx.save_for_backward(q, x, weight, bias, scale, k_pos, dwc_weight, dwc_bias, kv, ks)
         ctx.has_dwc_bias = dwc_bias is not None
         ctx.args = (hw_shape, num_heads, focusing_factor)
         return out
 
     @staticmethod
+    def reference(q, x, weight, bias, scale, k_pos, dwc_weight, dwc_bias, hw_shape,
+                  num_heads, focusing_factor):
+        """The forward op by op (``'fla_core'``): what a double backward differentiates."""
+        C = x.shape[2]
+        parts = F.linear(x, weight, bias).split(C, dim=-1)
+        res = _dwc_tokens(parts[-1], dwc_weight, dwc_bias, hw_shape)
+        return reference('fla_core')(
+            parts[0] if q is None else q, parts[-2], parts[-1], scale, k_pos, res,
+            num_heads, focusing_factor)
+
+    @staticmethod
     def backward(ctx, grad):
-        q, x, weight, bias, scale, k_pos, dwc_weight, kv, ks = ctx.saved_tensors
+        q, x, weight, bias, scale, k_pos, dwc_weight, dwc_bias, kv, ks = ctx.saved_tensors
         hw, num_heads, focusing_factor = ctx.args
+        if records_backward_graph():  # (create_graph: the formula op by op)
+            return tuple(differentiate_reference(
+                _ProjectedFLA.reference, (q, x, weight, bias, scale, k_pos, dwc_weight,
+                                          dwc_bias, hw, num_heads, focusing_factor),
+                ctx.needs_input_grad, (grad, )))
+        grad = kernel_grad(grad)
         B, n, C = x.shape
         parts = F.linear(x, weight, bias).split(C, dim=-1)  # recomputed: one GEMM
         with_q = q is None

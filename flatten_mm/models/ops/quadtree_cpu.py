@@ -25,6 +25,8 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
+from .autograd_paths import differentiate_reference, records_backward_graph
+
 #: environment switch: ``0`` disables the compiled kernels (pure-PyTorch paths only)
 ENV_SWITCH = 'FLATTEN_MM_CPU_KERNELS'
 #: set ``FLATTEN_MM_REQUIRE_CPU_KERNELS=1`` (CI does) to make a failed build an error
@@ -155,9 +157,15 @@ class _Level(torch.autograd.Function):
         return msg, next_idx, next_score
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Optional[torch.Tensor], _, next_grad: Optional[torch.Tensor]):
         q, k, v, prev_idx, prev_score, next_idx = ctx.saved_tensors
+        if records_backward_graph():  # (create_graph: the level op by op, registered by
+            # the QuadTree operator as 'quadtree_level')
+            grads = differentiate_reference(
+                'quadtree_level', (q, k, v, prev_idx, prev_score, next_idx, ctx.width,
+                                   ctx.temp), ctx.needs_input_grad[:5] + (False, ) * 3,
+                (grad, next_grad))
+            return tuple(grads[:5]) + (None, None, None)
         grad = torch.zeros_like(q) if grad is None else grad.contiguous()
         dq, dk, dv, dprev = torch.ops.flatten_mm.quadtree_level_backward(
             grad, q, k, v, prev_idx, prev_score, next_idx, next_grad, ctx.width, ctx.temp,

@@ -26,6 +26,11 @@ def to_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     Each ``d``-row is contiguous in memory (a view for channels-last maps, whose memory
     is the token layout; one copy for contiguous NCHW maps)."""
     B, C, H, W = x.shape
+    if torch.compiler.is_compiling():
+        # (a compiled graph fixes at trace time which reshapes are views, from the layouts
+        # it predicts; a CPU convolution's output can come in another one at run time, so
+        # the map gets a known layout)
+        x = x.clone(memory_format=torch.channels_last)
     return x.permute(0, 2, 3, 1).reshape(B, H * W, num_heads, C // num_heads).transpose(1, 2)
 
 

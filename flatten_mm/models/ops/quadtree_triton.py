@@ -60,8 +60,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .autograd_paths import differentiate_reference, records_backward_graph
 from .layout import tokens_as_map
 from .quadtree_layout import level_queries, to_heads
+from .specialisation import kernel_grad
 from .triton_common import (INTERPRETED, cast_rne, device_problem, on_tensor_device,
                             shared_memory_problem)
 
@@ -610,13 +612,17 @@ def _save_inputs(ctx, inputs, output):
     ctx.parent_width = inputs[3]
 
 
-def _autograd_backward(backward_op):
+def _autograd_backward(backward_op, reference: str):
     """The ``register_autograd`` backward of a gathered op ``(a, src, index,
-    parent_width)``."""
+    parent_width)`` (under ``create_graph``: the registered ``reference`` formula)."""
     def backward(ctx, grad):
         a, src, index = ctx.saved_tensors
+        if records_backward_graph():
+            return tuple(differentiate_reference(
+                reference, (a, src, index, ctx.parent_width), ctx.needs_input_grad, (grad, )))
         need_a, need_src = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        da, dsrc = backward_op(grad, a, src, index, ctx.parent_width, need_a, need_src)
+        da, dsrc = backward_op(kernel_grad(grad), a, src, index, ctx.parent_width, need_a,
+                               need_src)
         return (da if need_a else None), (dsrc if need_src else None), None, None
     return backward
 
@@ -636,7 +642,8 @@ def _(grad, query, key, index, parent_width, need_query, need_key):
 
 
 _scores_op.register_autograd(
-    _autograd_backward(lambda *a: torch.ops.flatten_mm.qt_gathered_scores_backward(*a)),
+    _autograd_backward(lambda *a: torch.ops.flatten_mm.qt_gathered_scores_backward(*a),
+                       'qt_gathered_scores'),
     setup_context=_save_inputs)
 
 
@@ -675,7 +682,8 @@ def _(grad, weight, value, index, parent_width, need_weight, need_value):
 
 
 _messages_op.register_autograd(
-    _autograd_backward(lambda *a: torch.ops.flatten_mm.qt_gathered_messages_backward(*a)),
+    _autograd_backward(lambda *a: torch.ops.flatten_mm.qt_gathered_messages_backward(*a),
+                       'qt_gathered_messages'),
     setup_context=_save_inputs)
 
 
@@ -798,8 +806,12 @@ def _final_b_setup(ctx, inputs, output):
 
 def _final_b_backward(ctx, grad_out, grad_stats):
     query, key, value, index, stats, scale = ctx.saved_tensors
+    if records_backward_graph():  # (create_graph: the registered formula)
+        return tuple(differentiate_reference(
+            'qt_final_b', (query, key, value, index, scale, ctx.parent_width),
+            ctx.needs_input_grad, (grad_out, )))
     dq, dk, dv, dscale = torch.ops.flatten_mm.qt_final_level_b_backward(
-        grad_out, query, key, value, index, stats, scale, ctx.parent_width)
+        kernel_grad(grad_out), query, key, value, index, stats, scale, ctx.parent_width)
     return dq, dk, dv, None, dscale if scale is not None else None, None
 
 
@@ -842,8 +854,12 @@ def _final_a_setup(ctx, inputs, output):
 
 def _final_a_backward(ctx, grad_out):
     query, key, value, index, prev_score = ctx.saved_tensors
+    if records_backward_graph():  # (create_graph: the registered formula)
+        return tuple(differentiate_reference(
+            'qt_final_a', (query, key, value, index, prev_score, ctx.parent_width),
+            ctx.needs_input_grad, (grad_out, )))
     dq, dk, dv, dps = torch.ops.flatten_mm.qt_final_level_a_backward(
-        grad_out, query, key, value, index, prev_score, ctx.parent_width)
+        kernel_grad(grad_out), query, key, value, index, prev_score, ctx.parent_width)
     return dq, dk, dv, None, dps, None
 
 
@@ -1054,11 +1070,22 @@ class _ProjectedFinalLevel(torch.autograd.Function):
         hw, h, temp, pw, grouped, key_dtype, value_dtype = ctx.args
         # (the projections ran in the dtype of x and the weights: no autocast here, even if
         # the backward is called inside an autocast region)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        double = records_backward_graph()  # (create_graph: the registered formula)
+        with torch.autocast(device_type=x.device.type, enabled=False), \
+                torch.set_grad_enabled(double):
             query = level_queries(_projected_map(x, wq, bq, hw), h, temp)
             key = to_heads(_projected_map(x, wk, bk, hw), h).to(key_dtype)
             if wv is not None:
                 value = to_heads(_projected_map(x, wv, bv, hw), h).to(value_dtype)
+        if double:
+            # (differentiated with respect to the recomputed maps, whose graph leads to x
+            # and the weights as the forward's maps did)
+            grads = differentiate_reference(
+                'qt_final_a' if grouped else 'qt_final_b',
+                (query, key, value, index, extra, pw), ctx.needs_input_grad[:3] + (
+                    False, ctx.needs_input_grad[4], False), (grad, ))
+            return tuple(grads[:3]) + (None, grads[4]) + (None, ) * 12
+        grad = kernel_grad(grad)
         if grouped:
             dq, dk, dv, dextra = torch.ops.flatten_mm.qt_final_level_a_backward(
                 grad, query, key, value, index, extra, pw)
