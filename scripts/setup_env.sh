@@ -101,9 +101,6 @@ if ! have mmcv "$MMCV_VERSION" || [ "$INSTALLED" = none ] \
   fi
   "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEEL"
 fi
-# the ops run on the CPU and on a visible GPU; a CPU-only mmcv meeting a GPU stops here
-"$VPY" "$ROOT/scripts/mmcv_ops.py" verify $([ "$MMCV_OPS" = cuda ] && echo cuda) || {
-  echo "setup_env: the installed mmcv cannot serve this machine (see above)" >&2; exit 1; }
 
 if ! have mmdet 3.3.0 || ! have mmsegmentation 1.2.2; then
   log "installing mmdet 3.3.0 and mmsegmentation 1.2.2 (--no-deps)"
@@ -112,6 +109,11 @@ fi
 
 log "installing flatten_mm (editable) with extras det,seg,dev,deploy (onnx, onnxruntime, onnxscript)"
 "${PIP[@]}" install -q --no-build-isolation -e "$ROOT[det,seg,dev,deploy]"
+
+# (after the extras: mmcv was installed without its dependencies, opencv and mmengine)
+# the ops run on the CPU and on a visible GPU; a CPU-only mmcv meeting a GPU stops here
+"$VPY" "$ROOT/scripts/mmcv_ops.py" verify $([ "$MMCV_OPS" = cuda ] && echo cuda) || {
+  echo "setup_env: the installed mmcv cannot serve this machine (see above)" >&2; exit 1; }
 
 "$VPY" - <<'PYEOF'
 import mmcv, mmcv.ops, mmdet, mmseg, mmengine, timm, torch
