@@ -11,7 +11,10 @@ loader that keeps ``weights_only=True`` and allow-lists exactly the classes mmen
 writes into a checkpoint (``HistoryBuffer``, numpy arrays/dtypes/scalars). Foreign
 files keep the safe default. For a trusted file that needs more, set
 ``FLATTEN_MM_TRUST_CHECKPOINTS=1`` (full unpickling, arbitrary code execution risk).
-Importing ``flatten_mm.models`` (what configs' ``custom_imports`` do) installs it.
+The same loaders (local files and URLs) hand an official mmdet 2.x / mmseg 0.x whole
+model of our families over converted (``load_from`` / ``tools/test.py`` take the
+official files as they are). Importing ``flatten_mm.models`` (what configs'
+``custom_imports`` do) installs them.
 """
 import datetime
 import importlib
@@ -25,9 +28,10 @@ import torch.distributed as dist
 from mmengine.logging.history_buffer import HistoryBuffer
 from mmengine.model import MMDistributedDataParallel, revert_sync_batchnorm
 from mmengine.registry import MODEL_WRAPPERS
-from mmengine.runner.checkpoint import CheckpointLoader
+from mmengine.runner.checkpoint import CheckpointLoader, load_from_http
 
 from .checkpoints.io import CFGNODE_SUBSTITUTE
+from .checkpoints.official import whole_model_as_ours
 
 _installed = False
 
@@ -96,7 +100,20 @@ def allowed_globals_for(filename: str) -> List[Any]:
 
 
 def load_local_checkpoint(filename: str, map_location=None) -> Any:
-    """Replacement of mmengine's local loader (see the module docstring)."""
+    """Replacement of mmengine's local loader (see the module docstring); an official
+    whole-model file of our families is converted in memory
+    (``flatten_mm.checkpoints.official.whole_model_as_ours``)."""
+    return whole_model_as_ours(read_local_checkpoint(filename, map_location), filename)
+
+
+def load_url_checkpoint(filename: str, map_location=None) -> Any:
+    """mmengine's URL loader (download to torch's hub cache), then the same in-memory
+    conversion of official whole-model files as for local files."""
+    return whole_model_as_ours(load_from_http(filename, map_location=map_location), filename)
+
+
+def read_local_checkpoint(filename: str, map_location=None) -> Any:
+    """``torch.load`` of a local file with the allow-list of mmengine checkpoints."""
     filename = os.path.expanduser(filename)
     if not os.path.isfile(filename):
         raise FileNotFoundError(f'{filename} can not be found.')
@@ -120,11 +137,14 @@ def load_local_checkpoint(filename: str, map_location=None) -> Any:
 
 
 def install() -> None:
-    """Register ``load_local_checkpoint`` for plain paths (idempotent)."""
+    """Register ``load_local_checkpoint`` for plain paths and ``load_url_checkpoint`` for
+    URLs (idempotent)."""
     global _installed
     if _installed:
         return
     CheckpointLoader.register_scheme(prefixes='', loader=load_local_checkpoint, force=True)
+    CheckpointLoader.register_scheme(prefixes=('http://', 'https://'), loader=load_url_checkpoint,
+                                     force=True)
     _installed = True
 
 

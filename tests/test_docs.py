@@ -480,7 +480,7 @@ def test_metafiles_carry_every_official_file_of_the_zoo():
         if w.is_whole_model:
             m = by_config[w.config]
             assert m['Weights'] == w.urls[0], w.name
-            assert m['Metadata']['Converted Checkpoint'] == w.target, w.name
+            assert m['Metadata']['Converted Checkpoint'] == w.uri, w.name
             published = {(r['Dataset'], k): v for r in m['Results']
                          for k, v in r['Metrics'].items()}
             for label, value in w.metrics:  # ('COCO box AP', 38.4)
@@ -491,7 +491,7 @@ def test_metafiles_carry_every_official_file_of_the_zoo():
             for cfg in users:
                 md = by_config[cfg]['Metadata']
                 assert md['Pretrained Weights'] == w.urls[0], (w.name, cfg)
-                assert md['Pretrained Checkpoint'] == w.target, (w.name, cfg)
+                assert md['Pretrained Checkpoint'] == w.uri, (w.name, cfg)
 
 
 def test_model_zoo_table_matches_the_metafiles():
@@ -613,3 +613,153 @@ def test_mim_search_lists_every_config(installed_copy):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert 'retinanet_quadtree-b-pvt-v2-b4_fpn_1x_coco' in proc.stdout
     assert 'mask-rcnn_flatten-swin' not in proc.stdout
+
+
+COCO_MINI = ['test_dataloader.dataset.data_root=demo/data/coco_mini/',
+             'test_dataloader.dataset.ann_file=annotations/instances_val2017.json',
+             'test_dataloader.dataset.data_prefix.img=val2017/',
+             'test_dataloader.dataset.indices=2',
+             'test_evaluator.ann_file=demo/data/coco_mini/annotations/instances_val2017.json']
+
+
+def test_mim_download_then_tools_test(installed_copy, tmp_path):
+    """`mim download flatten_mm --config NAME --dest D` then `tools/test.py D/NAME.py
+    D/<file>`: mim fetches the metafile's `Weights` (the official file; put into D
+    beforehand here, so mim finds it and nothing touches the network) and dumps the
+    config; tools/test.py reads the official mmdet 2.x file as it is (converted in memory,
+    said in the log) and evaluates (two bundled COCO images)."""
+    pytest.importorskip('mmdet')
+    sys.path.insert(0, osp.join(REPO_ROOT, 'tests'))
+    from official_layouts import write_official
+    from flatten_mm.apis.whole_model import build_config_model
+    name = 'retinanet_quadtree-b-pvt-v2-b0_fpn_1x_coco'
+    weights = {m['Name']: m for m in _models()}[name]['Weights']
+    official = tmp_path / weights.split('/')[-1]
+    write_official(build_config_model(osp.join(REPO_ROOT, 'configs', 'mmdet', 'quadtree_pvt_v2',
+                                               f'{name}.py')), 'retinanet', official)
+    proc = _mim(['download', 'flatten_mm', '--config', name, '--dest', str(tmp_path)],
+                installed_copy)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert 'exists' in proc.stdout and (tmp_path / f'{name}.py').is_file()
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, PYTHONWARNINGS='ignore')
+    proc = subprocess.run(
+        [PYTHON, 'tools/test.py', str(tmp_path / f'{name}.py'), str(official), '--work-dir',
+         str(tmp_path / 'work'), '--cfg-options'] + COCO_MINI,
+        capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert 'official quadtree whole-model checkpoint' in out and 'converted in memory' in out
+    assert 'coco/bbox_mAP' in out
+
+
+# ----------------------------------------------------------------- python in the user docs
+SNIPPET_DOCS = sorted([osp.join(REPO_ROOT, 'README.md'), osp.join(REPO_ROOT, 'docs', 'get_started.md')]
+                      + glob.glob(osp.join(REPO_ROOT, 'docs', 'user_guides', '*.md')))
+#: python blocks that are shown, not run here, and where they are run instead
+NOT_RUN = {'OnnxModel(': 'needs an exported .onnx file; tests/test_deploy runs OnnxModel'}
+SCHEME_NAME = re.compile(r"flatten_mm://([\w.-]+)")
+
+
+def _python_blocks(kind: str) -> List[Tuple[str, int, str]]:
+    """``(doc, line, code)`` of the python blocks of the user docs: ``'inference'`` (they
+    call mmdet's / mmseg's inference APIs) or ``'config'`` (config snippets)."""
+    found = []
+    for path in SNIPPET_DOCS:
+        with open(path, encoding='utf-8') as f:
+            _, blocks = split_markdown(f.read())
+        for line, lang, body in blocks:
+            if lang != 'python' or any(marker in body for marker in NOT_RUN):
+                continue
+            inference = 'Inferencer' in body or re.search(r'\binference_\w+\(', body)
+            if (kind == 'inference') == bool(inference):
+                found.append((_rel(path), line, body))
+    return found
+
+
+@pytest.fixture(scope='module')
+def official_stand_ins(tmp_path_factory):
+    """A ``flatten_mm://`` cache holding, for every whole model the examples name, a
+    freshly initialised model of its config in the converted layout with its dataset
+    meta: the examples run as written, without the network."""
+    pytest.importorskip('mmdet')
+    pytest.importorskip('mmseg')
+    import torch
+    from flatten_mm.apis.forward import build_model
+    from flatten_mm.models import zoo
+    from mmengine.config import Config
+    home = tmp_path_factory.mktemp('flatten_mm_home')
+    names = {n for _, _, code in _python_blocks('inference') for n in SCHEME_NAME.findall(code)}
+    assert names, 'no example names an official model'
+    for name in sorted(names):
+        weights = zoo.get_official_weights(name)
+        assert weights.is_whole_model, name
+        cfg = Config.fromfile(osp.join(REPO_ROOT, weights.config))
+        torch.manual_seed(0)
+        model = build_model(cfg, init_weights=True)
+        # (the dataset meta a converted official file has: mmdet 2.x stored CLASSES,
+        # mmseg 0.x CLASSES and PALETTE)
+        if cfg.default_scope == 'mmdet':
+            from mmdet.datasets import CocoDataset
+            meta = dict(classes=tuple(CocoDataset.METAINFO['classes']))
+        else:
+            from mmseg.datasets import ADE20KDataset
+            meta = dict(classes=tuple(ADE20KDataset.METAINFO['classes']),
+                        palette=[list(c) for c in ADE20KDataset.METAINFO['palette']])
+        meta = dict(dataset_meta=meta)
+        torch.save(dict(state_dict=model.state_dict(), meta=meta),
+                   home / osp.basename(weights.target))
+    return str(home)
+
+
+@pytest.mark.parametrize('doc,line,code', _python_blocks('inference'),
+                         ids=lambda v: str(v)[:40] if isinstance(v, str) else str(v))
+def test_inference_examples_run_as_written(doc, line, code, official_stand_ins, tmp_path):
+    """Each inference example of the README and get_started, unchanged, in a fresh
+    process (from a folder with the repository's configs/ and demo/), its `flatten_mm://`
+    models read from the cache: it runs, and what it paints lands in its out_dir."""
+    for name in ('configs', 'demo'):
+        os.symlink(osp.join(REPO_ROOT, name), tmp_path / name)
+    env = dict(os.environ, FLATTEN_MM_HOME=official_stand_ins, PYTHONWARNINGS='ignore',
+               PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run([PYTHON, '-c', code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f'{doc}:{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
+    for out_dir in re.findall(r"out_dir='([^']+)'", code):
+        painted = glob.glob(osp.join(tmp_path, out_dir, '**', '*.[jp][pn]g'), recursive=True)
+        assert painted, f'{doc}:{line}: nothing painted under {out_dir}'
+
+
+@pytest.mark.parametrize('doc,line,code', _python_blocks('config'),
+                         ids=lambda v: str(v)[:40] if isinstance(v, str) else str(v))
+def test_config_snippets_build(doc, line, code, tmp_path):
+    """Each config snippet of the README and user guides builds what it describes: a
+    whole config (`_base_`), a `model = dict(...)` fragment merged into mmdet's Mask R-CNN
+    config (what the docs tell users to put into theirs), or a `backbone = dict(...)`
+    (built and run on its smallest input). Every `Pretrained` checkpoint it names is an
+    official file's `flatten_mm://` name (a local path would be a file the reader does
+    not have)."""
+    pytest.importorskip('mmdet')
+    from mmengine.config import Config
+    from flatten_mm.apis.forward import build_model
+    from flatten_mm.models import zoo
+    for name in SCHEME_NAME.findall(code):
+        zoo.get_official_weights(name)  # raises for a name without official weights
+    local = re.findall(r"checkpoint='([^']+)'", code)
+    assert all(c.startswith('flatten_mm://') for c in local), f'{doc}:{line}: {local}'
+    path = tmp_path / 'snippet.py'
+    if '_base_' not in code and re.search(r'^model = dict\(', code, re.M):
+        code = "_base_ = ['mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py']\n" + code
+    path.write_text(code)
+    cfg = Config.fromfile(str(path))
+    if 'model' in cfg:
+        model = build_model(cfg, scope=cfg.get('default_scope', 'mmdet'))
+        assert type(model.backbone).__module__.startswith('flatten_mm.'), f'{doc}:{line}'
+        return
+    assert 'backbone' in cfg, f'{doc}:{line}: neither a model nor a backbone'
+    import torch
+    from flatten_mm.registry import MODELS
+    backbone = MODELS.build(cfg.backbone).eval()
+    side = max(64, backbone.min_input_size()[0]) if hasattr(backbone, 'min_input_size') else 64
+    with torch.no_grad():
+        outs = backbone(torch.randn(1, 3, side, side))
+    assert len(outs) == len(backbone.out_indices), f'{doc}:{line}'

@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from flatten_mm.models.catalogue import format_catalogue  # noqa: E402
-from flatten_mm.swap.plan import swap_backbone, verify_config  # noqa: E402
+from flatten_mm.swap.plan import random_weights_warning, swap_backbone, verify_config  # noqa: E402
 from flatten_mm.swap.demo import DemoUnavailable  # noqa: E402
 from flatten_mm.swap.smoke import train_smoke  # noqa: E402
 
@@ -32,7 +32,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('src', nargs='?', help='config file or mmdet::/mmseg:: config name')
     p.add_argument('--backbone', help='catalogue name (see --list)')
-    p.add_argument('--checkpoint', help='converted checkpoint for init_cfg')
+    p.add_argument('--checkpoint',
+                   help='ImageNet weights for init_cfg: flatten_mm://NAME for the official '
+                   'ones, or a converted file (without it the backbone trains from random '
+                   'weights)')
     p.add_argument('-o', '--out', help='path of the new config')
     p.add_argument('--force', action='store_true', help='overwrite an existing --out')
     p.add_argument('--verify', action='store_true',
@@ -66,6 +69,9 @@ def main(argv=None) -> int:
         print(f'error: {exc}', file=sys.stderr)
         return 1
     print(f'wrote {args.out}')
+    if not args.checkpoint:
+        print('warning: ' + random_weights_warning(args.backbone).replace('\n', ' '),
+              file=sys.stderr)
     if args.verify:
         shapes = verify_config(args.out)
         print('verified: built and ran one forward; backbone maps ' +

@@ -17,7 +17,8 @@ from mmengine.config import Config, DictAction
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Test (and evaluate) a model')
     parser.add_argument('config', help='test config file path')
-    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument('checkpoint', help='checkpoint: a file, a URL, or flatten_mm://NAME '
+                        '(an official model, downloaded and converted on first use)')
     parser.add_argument('--work-dir', help='the dir to save evaluation metrics')
     parser.add_argument('--out', help='dump predictions to a pickle file (mmdet)')
     parser.add_argument('--show', action='store_true', help='show predictions in a window')

@@ -7,6 +7,9 @@ initialised after a warning buried in the log. ``load_pretrained`` reads the fil
 same way (mmengine's ``CheckpointLoader``: local paths, URLs, ``prefix``), then refuses:
 
 * an unreadable (truncated / corrupt) file -> ``CheckpointError`` naming the file;
+* an official ImageNet file of the backbone's own family (official key layout) is
+  converted in memory by the family's converter (``flatten_mm.checkpoints.converters``)
+  and the log says so; the checks below then apply to the converted weights;
 * by default, any missing or unexpected key or shape mismatch (parameters that only the
   dense backbone has, ``dense_only_prefixes``, are exempt) -> ``ValueError`` that lists
   them and names what the file looks like: an official family from
@@ -36,11 +39,12 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from mmengine.runner.checkpoint import CheckpointLoader, load_state_dict
 
-from flatten_mm.checkpoints.converters import guess_family, key_mismatch_report, unwrap_checkpoint
+from flatten_mm.checkpoints.converters import (BACKBONES, CONVERTERS, guess_family,
+                                               key_mismatch_report, unwrap_checkpoint)
 
 from ..checkpoints.io import CheckpointError
 from ..registry import MODELS
-from .zoo import missing_weights_message
+from .zoo import SCHEME, missing_weights_message
 
 
 def _normalise(key: str) -> str:
@@ -133,6 +137,8 @@ def read_pretrained(init_cfg: Mapping) -> Dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise
     except Exception as err:  # noqa: BLE001 (unreadable / refused file: name it)
+        if str(path).startswith(SCHEME):  # its errors name the file, URL and what to do
+            raise
         first = str(err).splitlines()[0] if str(err) else ''
         if str(path) in first:  # flatten_mm's loader already names the file and the cause
             raise CheckpointError(f'init_cfg Pretrained: {first}') from None
@@ -157,6 +163,26 @@ def read_pretrained(init_cfg: Mapping) -> Dict[str, torch.Tensor]:
                              f'first keys: {list(state_dict)[:5]}')
         state_dict = selected
     return state_dict
+
+
+def official_as_ours(module: nn.Module, state_dict: Dict[str, torch.Tensor]
+                     ) -> Tuple[Dict[str, torch.Tensor], Optional[str]]:
+    """``(state_dict, family)``: an official ImageNet state dict of ``module``'s family
+    (keys in the official layout, recognised by ``guess_family``) converted in memory by
+    that family's converter; anything else (already our layout, another family) returned
+    unchanged with ``family=None``, for ``check_pretrained`` to judge."""
+    expected = module.state_dict()
+    if set(state_dict) <= set(expected) and state_dict:  # already our layout
+        return state_dict, None
+    try:
+        families = guess_family(unwrap_checkpoint(state_dict))
+    except (ValueError, KeyError):
+        return state_dict, None
+    mine = [f for f in families if BACKBONES.get(f) == type(module).__name__]
+    if len(mine) != 1:
+        return state_dict, None
+    converted, _ = CONVERTERS[mine[0]](unwrap_checkpoint(state_dict))
+    return OrderedDict(converted), mine[0]
 
 
 def resize_tables(module: nn.Module, state_dict: Dict[str, torch.Tensor]
@@ -192,6 +218,10 @@ def load_pretrained(module: nn.Module, init_cfg: Mapping) -> None:
         # exist (``flatten_mm.models.zoo``) instead of a bare missing-file error
         raise FileNotFoundError(missing_weights_message(path, module))
     state_dict = read_pretrained(init_cfg)
+    state_dict, official = official_as_ours(module, state_dict)
+    if official:
+        print_log(f'{type(module).__name__}: {path} holds official {official} weights; '
+                  'converted in memory to the layout of this backbone', logger='current')
     resized = resize_tables(module, state_dict)
     check_pretrained(module, state_dict, source=f'pretrained checkpoint {path}',
                      strict=init_cfg.get('strict', True))

@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .catalogue import backbone_catalogue
 
+#: prefix of the checkpoint names of these files (``flatten_mm.models.hub`` resolves them)
+SCHEME = 'flatten_mm://'
 FLATTEN_SOURCE = 'LeapLabTHU/FLatten-Transformer README (commit abdb115)'
 QUADTREE_SOURCE = 'Tangshitao/QuadTreeAttention README (commit 549a1ef)'
 _QT = 'https://github.com/Tangshitao/QuadTreeAttention/releases/download'
@@ -45,8 +47,10 @@ class OfficialWeights:
         urls: direct download URLs, tried in order.
         family: converter family (``flatten_mm.checkpoints.converters.CONVERTERS``).
         arch: backbone arch of the family.
-        target: path the converted file is written to (relative to the repo root; the
-            path our configs load: ``checkpoints/<name>_in1k.pth`` for ImageNet weights).
+        target: the converted file as ``tools/download_weights.py --dir checkpoints``
+            writes it (``checkpoints/<name>_in1k.pth`` for ImageNet weights,
+            ``checkpoints/<name>.pth`` for whole models); the ``flatten_mm://`` cache uses
+            the same file name. Configs load it as ``uri``.
         config: for whole models, the config that evaluates the converted file.
         metrics: published numbers, ``(('ImageNet top-1', 72.0), ...)``.
         sha256: SHA-256 of the official file, ``None`` when unknown.
@@ -71,6 +75,11 @@ class OfficialWeights:
     @property
     def is_whole_model(self) -> bool:
         return self.kind != 'imagenet'
+
+    @property
+    def uri(self) -> str:
+        """The name configs load it by: ``flatten_mm://<name>`` (``flatten_mm.models.hub``)."""
+        return f'{SCHEME}{self.name}'
 
 
 def _flatten(name, arch, family, key, top1, note=''):
@@ -263,22 +272,39 @@ def missing_weights_message(path: str, module=None) -> str:
                 'or train from scratch with `--cfg-options model.backbone.init_cfg=None`.')
     zoo = official_weights()
     if name in zoo:
-        folder = osp.dirname(str(path)) or '.'
-        cmd = f'python tools/download_weights.py {name}'
-        if osp.normpath(folder) != 'checkpoints':
-            cmd += f' --dir {folder}'
-        written = osp.join(folder, osp.basename(zoo[name].target))
-        extra = ('' if osp.normpath(written) == osp.normpath(str(path)) else
-                 f'; then point init_cfg at {written}')
-        return (f'{head}. Official ImageNet weights of {display_name(name)} exist: `{cmd}` '
-                f'downloads and converts them to {written}{extra} (add `--from-file FILE` to '
-                'convert a file downloaded by hand).')
+        return (f"{head}. Official ImageNet weights of {display_name(name)} exist: "
+                f"checkpoint='{zoo[name].uri}' downloads, converts and caches them on first "
+                'use (an official file downloaded by hand can also be given as it is: it is '
+                'converted in memory).')
     return f'{head}: {unreleased_message(name, str(path))}'
 
 
+def config_checkpoint(path: str) -> Optional[str]:
+    """The backbone checkpoint a config file names, read from its text: its own
+    ``checkpoint='...'`` (none after ``backbone=dict(init_cfg=None)``), else the one its
+    local ``_base_`` files name (the configs under ``configs/`` inherit e.g. a 3x recipe
+    from the 1x config)."""
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    own = re.findall(r"checkpoint='([^']+)'", text)
+    if own:
+        return own[-1]
+    if re.search(r'backbone=dict\([^)]*init_cfg=None', text):  # (trains from scratch)
+        return None
+    base = re.search(r'^_base_\s*=\s*(\[[^\]]*\]|\'[^\']*\')', text, re.M)
+    for rel in re.findall(r"'([^']+)'", base.group(1)) if base else []:
+        local = osp.normpath(osp.join(osp.dirname(path), rel))
+        if '::' not in rel and osp.isfile(local):
+            found = config_checkpoint(local)
+            if found:
+                return found
+    return None
+
+
 def configs_using(weights: OfficialWeights, root: str = '.') -> List[str]:
-    """Configs under ``root/configs`` that load ``weights`` (its ``target`` path), plus the
-    whole-model entry's own config."""
+    """Configs under ``root/configs`` whose backbone loads ``weights`` (its ``uri``, named
+    in the config or inherited from its ``_base_``), plus the whole-model entry's own
+    config."""
     found = []
     cfg_dir = osp.join(root, 'configs')
     if weights.config:
@@ -286,10 +312,8 @@ def configs_using(weights: OfficialWeights, root: str = '.') -> List[str]:
     elif osp.isdir(cfg_dir):
         for dirpath, _, files in os.walk(cfg_dir):
             for fname in files:
-                if fname.endswith('.py'):
-                    path = osp.join(dirpath, fname)
-                    with open(path, encoding='utf-8') as f:
-                        if weights.target in f.read():
-                            found.append(osp.relpath(path, root))
+                path = osp.join(dirpath, fname)
+                if (fname.endswith('.py') and '_base_' not in path.split(os.sep)
+                        and config_checkpoint(path) == weights.uri):
+                    found.append(osp.relpath(path, root))
     return sorted(found)
-

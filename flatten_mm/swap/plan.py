@@ -52,6 +52,7 @@ from mmengine.registry import init_default_scope
 from mmengine.utils import get_installed_path, import_modules_from_strings
 
 from ..apis.forward import _random_proposals, build_model, dense_forward, roi_head_dummy_forward
+from ..models import zoo
 from ..models.catalogue import BackboneSpec, _meta_parameters, get_backbone_spec
 from ..models.layers import FocusedLinearAttention
 from ..models.layers.focused_linear_attention import _FocusedLinearRegion
@@ -663,6 +664,18 @@ def _fmt(obj: Any, indent: int = 0) -> str:
     return repr(obj)
 
 
+def random_weights_warning(name: str) -> str:
+    """What a config swapped to ``name`` without ``--checkpoint`` means: the backbone
+    trains from random weights; and how to start from ImageNet weights instead."""
+    if name in zoo.imagenet_names():
+        how = (f'official ImageNet weights exist: pass --checkpoint {zoo.official_weights()[name].uri}\n'
+               '(downloaded and converted on first use)')
+    else:
+        how = (f'no official ImageNet weights exist for {name}; pass --checkpoint with\n'
+               'your own ImageNet training, converted (tools/convert_checkpoint.py)')
+    return f'No checkpoint given: the backbone trains from random weights;\n{how}.'
+
+
 def render_config(plan: SwapPlan) -> str:
     """The text of the generated config."""
     spec = plan.spec
@@ -673,8 +686,7 @@ def render_config(plan: SwapPlan) -> str:
     ]
     header += [f'#   {n}' for n in plan.notes]
     if not any(k == 'init_cfg' for k in plan.model['backbone']):
-        header.append('# No checkpoint given: the backbone starts from random weights (pass '
-                      '--checkpoint with a file from tools/convert_checkpoint.py).')
+        header += [f'# {line}' for line in random_weights_warning(spec.name).split('\n')]
     header.append('# The optimizer and schedule are inherited; transformer backbones are '
                   'usually trained')
     header.append('# with AdamW (see the recipes under configs/).')

@@ -348,6 +348,17 @@ def test_cli(tmp_path, capsys):
     src = 'mmdet::retinanet/retinanet_r50_fpn_1x_coco.py'
     assert cli.main([src, '--backbone', 'flatten-pvt-v2-b0', '-o', str(out)]) == 0
     assert out.exists()
+    # no --checkpoint: said loudly (stderr and the config's header), with the official name
+    err = capsys.readouterr().err
+    assert 'warning: No checkpoint given: the backbone trains from random weights' in err
+    assert '--checkpoint flatten_mm://flatten-pvt-v2-b0' in err
+    assert '# No checkpoint given: the backbone trains from random weights' in out.read_text()
+    assert cli.main([src, '--backbone', 'flatten-pvt-v2-b1', '-o', str(tmp_path / 'b1.py')]) == 0
+    assert 'no official ImageNet weights exist for flatten-pvt-v2-b1' in capsys.readouterr().err
+    assert cli.main([src, '--backbone', 'flatten-pvt-v2-b0', '--checkpoint',
+                     'flatten_mm://flatten-pvt-v2-b0', '-o', str(tmp_path / 'c0.py')]) == 0
+    assert 'random weights' not in capsys.readouterr().err
+    assert "checkpoint='flatten_mm://flatten-pvt-v2-b0'" in (tmp_path / 'c0.py').read_text()
     assert cli.main([src, '--backbone', 'flatten-pvt-v2-b0', '-o', str(out)]) == 1
     assert '--force' in capsys.readouterr().err
     assert cli.main([src, '--backbone', 'nope', '-o', str(tmp_path / 'b.py')]) == 1

@@ -194,3 +194,19 @@ def test_training_step_through_the_kernels(emulated_gpu, family, feature):
             full = train_step(model, x)
         assert relative(got, full) <= 3 * relative(ref, full), (relative(got, full),
                                                                 relative(ref, full))
+
+
+@pytest.mark.parametrize('family', list(FAMILIES))
+def test_backbone_use_triton_false_turns_every_kernel_off(emulated_gpu, family):
+    """The one switch-off key every backbone accepts, as a config gives it
+    (``backbone=dict(..., use_triton=False)``): in the auto mode that would otherwise run
+    the kernels, no first-use check is made (no kernel considered), nothing warns, and the
+    gradients are the PyTorch path's."""
+    model = build(family, use_triton=False)
+    x = torch.randn(2, 3, *INPUT_HW, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with no_warnings_of_ours():
+        got = train_step(model, x)
+    assert dispatch.verdicts() == {}
+    with pytorch_path():
+        ref = train_step(model, x)
+    assert relative(got, ref) <= 1e-6

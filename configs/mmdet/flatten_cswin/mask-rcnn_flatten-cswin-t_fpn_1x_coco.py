@@ -23,8 +23,8 @@ model = dict(
         out_indices=(0, 1, 2, 3),
         # convert the official ImageNet weights first:
         # python tools/convert_checkpoint.py flatten_cswin_tiny.pth \
-        #     checkpoints/flatten-cswin-t_in1k.pth --family flatten_cswin --arch t
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-cswin-t_in1k.pth')),
+        #     flatten_mm://flatten-cswin-t --family flatten_cswin --arch t
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-cswin-t')),
     neck=dict(in_channels=[64, 128, 256, 512]))
 
 optim_wrapper = dict(

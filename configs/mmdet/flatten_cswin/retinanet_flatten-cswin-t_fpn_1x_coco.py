@@ -20,7 +20,7 @@ model = dict(
         arch='t',
         drop_path_rate=0.2,
         out_indices=(1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-cswin-t_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-cswin-t')),
     neck=dict(in_channels=[128, 256, 512], start_level=0, num_outs=5))
 
 optim_wrapper = dict(

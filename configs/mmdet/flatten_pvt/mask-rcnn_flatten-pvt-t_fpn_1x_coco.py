@@ -20,8 +20,8 @@ model = dict(
         out_indices=(0, 1, 2, 3),
         # convert the official ImageNet weights first:
         # python tools/convert_checkpoint.py flatten_pvt_t.pth \
-        #     checkpoints/flatten-pvt-t_in1k.pth --family flatten_pvt --arch tiny
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-t_in1k.pth')),
+        #     flatten_mm://flatten-pvt-t --family flatten_pvt --arch tiny
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-pvt-t')),
     neck=dict(in_channels=[64, 128, 320, 512]))
 
 optim_wrapper = dict(

@@ -17,7 +17,7 @@ model = dict(
         arch='tiny',
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-t_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-pvt-t')),
     neck=dict(in_channels=[64, 128, 320, 512]))
 
 optim_wrapper = dict(

@@ -20,8 +20,8 @@ model = dict(
         out_indices=(0, 1, 2, 3),
         # convert the official ImageNet weights first:
         # python tools/convert_checkpoint.py flatten_pvt_v2_b0.pth \
-        #     checkpoints/flatten-pvt-v2-b0_in1k.pth --family flatten_pvt_v2 --arch b0
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b0_in1k.pth')),
+        #     flatten_mm://flatten-pvt-v2-b0 --family flatten_pvt_v2 --arch b0
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-pvt-v2-b0')),
     neck=dict(in_channels=[32, 64, 160, 256]))
 
 optim_wrapper = dict(

@@ -18,7 +18,7 @@ model = dict(
         arch='b0',
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-pvt-v2-b0_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-pvt-v2-b0')),
     neck=dict(in_channels=[32, 64, 160, 256]))
 
 optim_wrapper = dict(

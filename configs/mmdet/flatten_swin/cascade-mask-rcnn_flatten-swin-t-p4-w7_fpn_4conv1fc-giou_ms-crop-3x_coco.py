@@ -20,7 +20,7 @@ model = dict(
         arch='t',
         drop_path_rate=0.2,
         out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-swin-t_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-swin-t')),
     neck=dict(in_channels=[96, 192, 384, 768]),
     roi_head=dict(bbox_head=[
         dict(

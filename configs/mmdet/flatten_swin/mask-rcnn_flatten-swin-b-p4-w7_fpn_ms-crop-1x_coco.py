@@ -6,5 +6,5 @@ model = dict(
     backbone=dict(
         arch='b',
         drop_path_rate=0.3,
-        init_cfg=dict(checkpoint='checkpoints/flatten-swin-b_in1k.pth')),
+        init_cfg=dict(checkpoint='flatten_mm://flatten-swin-b')),
     neck=dict(in_channels=[128, 256, 512, 1024]))

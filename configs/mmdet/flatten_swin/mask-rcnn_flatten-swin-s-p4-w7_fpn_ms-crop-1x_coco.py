@@ -7,4 +7,4 @@ model = dict(
     backbone=dict(
         arch='s',
         drop_path_rate=0.2,
-        init_cfg=dict(checkpoint='checkpoints/flatten-swin-s_in1k.pth')))
+        init_cfg=dict(checkpoint='flatten_mm://flatten-swin-s')))

@@ -24,8 +24,8 @@ model = dict(
         out_indices=(0, 1, 2, 3),
         # convert the official ImageNet weights first:
         # python tools/convert_checkpoint.py flatten_swin_t.pth \
-        #     checkpoints/flatten-swin-t_in1k.pth --family flatten_swin --arch t
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-swin-t_in1k.pth')),
+        #     flatten_mm://flatten-swin-t --family flatten_swin --arch t
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-swin-t')),
     neck=dict(in_channels=[96, 192, 384, 768]))
 
 optim_wrapper = dict(

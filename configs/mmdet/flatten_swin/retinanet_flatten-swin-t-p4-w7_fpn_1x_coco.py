@@ -21,7 +21,7 @@ model = dict(
         arch='t',
         drop_path_rate=0.2,
         out_indices=(1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-swin-t_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-swin-t')),
     neck=dict(in_channels=[192, 384, 768], start_level=0, num_outs=5))
 
 optim_wrapper = dict(

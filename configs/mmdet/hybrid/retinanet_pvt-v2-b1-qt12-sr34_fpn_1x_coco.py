@@ -32,7 +32,7 @@ model = dict(
         # MLPs, norms and the stage 1-2 attention load; the stage 3-4 softmax attention
         # (q / kv / sr / norm) has no counterpart and starts from scratch: strict=False
         # (flatten_mm refuses partial matches otherwise; the missing keys are logged).
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/quadtree-b-pvt-v2-b1_in1k.pth',
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://quadtree-b-pvt-v2-b1',
                       strict=False)),
     neck=dict(in_channels=[64, 128, 320, 512]))
 

@@ -20,7 +20,7 @@ model = dict(
         attn_cfg=dict(topk=32, value_act='relu'),  # official dense setting (also the default)
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/quadtree-b-pvt-v2-b0_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://quadtree-b-pvt-v2-b0')),
     neck=dict(in_channels=[32, 64, 160, 256]))
 
 train_dataloader = dict(batch_size=2)

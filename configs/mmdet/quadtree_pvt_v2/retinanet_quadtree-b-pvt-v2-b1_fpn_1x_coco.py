@@ -3,5 +3,5 @@ _base_ = './retinanet_quadtree-b-pvt-v2-b0_fpn_1x_coco.py'
 model = dict(
     backbone=dict(
         arch='b1',
-        init_cfg=dict(checkpoint='checkpoints/quadtree-b-pvt-v2-b1_in1k.pth')),
+        init_cfg=dict(checkpoint='flatten_mm://quadtree-b-pvt-v2-b1')),
     neck=dict(in_channels=[64, 128, 320, 512]))

@@ -13,7 +13,7 @@ model = dict(
         arch='t',
         drop_path_rate=0.3,
         out_indices=(0, 1, 2, 3),
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/flatten-cswin-t_in1k.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-cswin-t')),
     decode_head=dict(in_channels=[64, 128, 256, 512]),
     auxiliary_head=dict(in_channels=256))
 

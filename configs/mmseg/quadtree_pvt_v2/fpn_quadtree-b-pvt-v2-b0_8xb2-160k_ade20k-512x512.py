@@ -31,8 +31,8 @@ model = dict(
         out_indices=(0, 1, 2, 3),
         # convert the official ImageNet weights first:
         # python tools/convert_checkpoint.py b0.pth \
-        #     checkpoints/quadtree-b-pvt-v2-b0_in1k.pth --family quadtree --arch b0
-        init_cfg=dict(type='Pretrained', checkpoint='checkpoints/quadtree-b-pvt-v2-b0_in1k.pth')),
+        #     flatten_mm://quadtree-b-pvt-v2-b0 --family quadtree --arch b0
+        init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://quadtree-b-pvt-v2-b0')),
     neck=dict(in_channels=[32, 64, 160, 256]),
     decode_head=dict(num_classes=150))
 

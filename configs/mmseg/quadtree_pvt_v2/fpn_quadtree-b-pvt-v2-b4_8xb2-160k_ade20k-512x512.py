@@ -3,5 +3,5 @@ _base_ = './fpn_quadtree-b-pvt-v2-b0_8xb2-160k_ade20k-512x512.py'
 model = dict(
     backbone=dict(
         arch='b4',
-        init_cfg=dict(checkpoint='checkpoints/quadtree-b-pvt-v2-b4_in1k.pth')),
+        init_cfg=dict(checkpoint='flatten_mm://quadtree-b-pvt-v2-b4')),
     neck=dict(in_channels=[64, 128, 320, 512]))

@@ -11,6 +11,7 @@ from mmengine.model import BaseModule
 from mmengine.model.weight_init import (PretrainedInit, _initialize_override, initialize,
                                         trunc_normal_)
 
+from ..ops import dispatch
 from ..pretrained import load_pretrained
 
 
@@ -83,6 +84,21 @@ def expand_per_stage(cfg, num_stages: int, name: str) -> list:
         return [copy.deepcopy(c) for c in cfg]
     return [copy.deepcopy(cfg) for _ in range(num_stages)]
 
+
+
+def set_use_triton(model: nn.Module, use_triton: Optional[bool]) -> None:
+    """The backbone-wide kernel switch (the ``use_triton`` argument of every backbone):
+    ``False`` / ``True`` / ``None`` is given to every operator of ``model`` that has fused
+    kernels (a ``use_triton`` attribute: FLA, QuadTree); operators without kernels (softmax,
+    SimA) have nothing to switch. ``None`` (the default) keeps each operator's own setting
+    (``attn_cfg``), i.e. automatic. ``FLATTEN_MM_TRITON=0`` wins over both
+    (``flatten_mm.models.ops.dispatch``)."""
+    if use_triton is None:
+        return
+    use_triton = dispatch.check_use_triton(use_triton)
+    for module in model.modules():
+        if module is not model and hasattr(module, 'use_triton'):
+            module.use_triton = use_triton
 
 
 def is_pretrained_cfg(cfg: Mapping) -> bool:

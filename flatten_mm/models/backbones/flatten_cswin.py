@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ...registry import MODELS
 from ..layers import PreNormBlock, build_attention, nchw_to_nlc
-from .base import DoublingStageBackbone, check_input
+from .base import DoublingStageBackbone, check_input, set_use_triton
 
 #: global focused linear attention with LePE (the ``L`` stages of the released models)
 CSWIN_LINEAR = dict(type='CrossShapedAttention', split_size=None,
@@ -187,6 +187,7 @@ class FLattenCSWin(DoublingStageBackbone):
                  with_cp: bool = False,
                  recompute_mlp_act: bool = True,
                  recompute_norms: bool = True,
+                 use_triton: Optional[bool] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         settings = self._setup(arch, in_channels, attn_cfg, pretrain_img_size, out_indices,
@@ -215,6 +216,7 @@ class FLattenCSWin(DoublingStageBackbone):
             prev = dims
         self._add_output_norms()  # norm1..norm4 (CSWin-seg naming)
         self._freeze_stages()
+        set_use_triton(self, use_triton)
 
     def iter_stages(self, x: torch.Tensor, last: Optional[int] = None
                     ) -> Iterator[Tuple[int, torch.Tensor, Tuple[int, int]]]:

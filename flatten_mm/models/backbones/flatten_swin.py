@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ...registry import MODELS
 from ..layers import PreNormBlock, PVTPatchEmbed, build_attention
-from .base import DoublingStageBackbone, check_input
+from .base import DoublingStageBackbone, check_input, set_use_triton
 
 #: global focused linear attention (the ``L`` stages of the released models)
 SWIN_LINEAR = dict(type='FocusedLinearAttentionQKV', window_size=None, focusing_factor=3,
@@ -176,6 +176,7 @@ class FLattenSwin(DoublingStageBackbone):
                  with_cp: bool = False,
                  recompute_mlp_act: bool = True,
                  recompute_norms: bool = True,
+                 use_triton: Optional[bool] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         settings = self._setup(arch, in_channels, attn_cfg, pretrain_img_size, out_indices,
@@ -206,6 +207,7 @@ class FLattenSwin(DoublingStageBackbone):
             cur += self.depths[i]
         self._add_output_norms()  # norm0..norm3 (Swin dense convention)
         self._freeze_stages()
+        set_use_triton(self, use_triton)
 
     def unused_parts(self) -> List[nn.Module]:
         """The stages after the deepest of ``out_indices`` and the ``PatchMerging`` after

@@ -25,7 +25,8 @@ from ...registry import MODELS
 from ..layers import PVTMlp, PVTPatchEmbed, build_attention, resize_pos_table
 from ..layers.pos_embed import resize_loaded_pos_table
 from .base import (StageFreezing, StridePyramidOutputs, check_frozen_stages, check_input,
-                   check_out_indices, init_weights_or_load, merge_stage_cfgs, resolve_arch)
+                   check_out_indices, init_weights_or_load, merge_stage_cfgs, resolve_arch,
+                   set_use_triton)
 
 FLA = dict(type='FocusedLinearAttention', sr_ratio=1, focusing_factor=3, kernel_size=5)
 
@@ -140,6 +141,7 @@ class PyramidVisionBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
                  frozen_stages: int = -1,
                  with_cp: bool = False,
                  recompute_mlp_act: bool = True,
+                 use_triton: Optional[bool] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         name = type(self).__name__
@@ -184,6 +186,7 @@ class PyramidVisionBackbone(StageFreezing, StridePyramidOutputs, BaseModule):
             cur += depths[i]
             prev_dims = embed_dims[i]
         self._freeze_stages()
+        set_use_triton(self, use_triton)
 
     # ------------------------------------------------------------------ init / freezing
     def init_weights(self) -> None:

@@ -22,7 +22,8 @@ from timm.layers import DropPath
 from ...registry import MODELS
 from ..layers import (LPI, ConvPatchEmbed, FourierPositionalEncoding, PVTMlp, build_attention,
                       nlc_to_nchw)
-from .base import check_frozen_stages, check_input, freeze, init_weights_or_load, resolve_arch
+from .base import (check_frozen_stages, check_input, freeze, init_weights_or_load, resolve_arch,
+                   set_use_triton)
 
 SIMA = dict(type='SimAAttention')
 
@@ -255,6 +256,7 @@ class SimAXCiT(BaseModule):
                  norm_eval: bool = False,
                  with_cp: bool = False,
                  recompute_mlp_act: bool = True,
+                 use_triton: Optional[bool] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None) -> None:
         super().__init__(init_cfg=init_cfg)
         name = type(self).__name__
@@ -307,6 +309,7 @@ class SimAXCiT(BaseModule):
         for k in self.out_indices:
             self.add_module(f'fpn{k + 1}', self._build_fpn(k, C, norm_layer))
         self._freeze_stages()
+        set_use_triton(self, use_triton)
 
     def _build_fpn(self, k: int, C: int, norm_layer: Callable[[int], nn.Module]) -> nn.Module:
         """XCiT's adapter ``fpn{k+1}``: token grid (stride ``patch_size``) -> stride

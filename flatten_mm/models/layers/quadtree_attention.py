@@ -46,7 +46,7 @@ Implementation notes:
   (``Projections``): the fused final level recomputes the finest query and key maps (A:
   and the value map) from the block input in its backward instead of keeping them.
   ``use_triton=False`` (operator argument, or
-  ``attn_cfg=dict(use_triton=False)`` in a backbone) or ``FLATTEN_MM_TRITON=0``
+  ``use_triton=False`` of a backbone) or ``FLATTEN_MM_TRITON=0``
   (environment) selects the PyTorch path, which stays the reference and the CPU /
   float64 / export path.
 * On CPU the finer levels run the compiled kernels of ``ops.quadtree_cpu`` when they are

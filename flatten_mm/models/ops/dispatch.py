@@ -5,7 +5,7 @@ projected FLA layer) and ``'quadtree'`` (``ops.quadtree_triton``, QuadTree's fin
 An operator asks ``use_kernels(use_triton, family, x, why_not, key)`` and runs the kernels
 only if it says yes; the PyTorch path is the fallback and the reference.
 
-``use_triton`` (an operator argument, ``attn_cfg=dict(use_triton=...)`` in a backbone):
+``use_triton`` (an operator argument, or ``use_triton=...`` of any backbone):
 
 * ``False``, or ``FLATTEN_MM_TRITON=0`` in the environment: never.
 * ``True``: always (but for an empty batch, which takes the PyTorch path: there is nothing

@@ -1,0 +1,112 @@
+"""The ``flatten_mm://`` checkpoint scheme: official weights by name, the OpenMMLab way.
+
+``flatten_mm://<name>`` names an official file of ``flatten_mm.models.zoo``: a backbone
+with official ImageNet weights (``flatten_mm://flatten-swin-t``) or a whole detector /
+segmentor (``flatten_mm://mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco``). Like mmengine's
+``open-mmlab://`` and ``torchvision://``, it works wherever mmengine reads a checkpoint::
+
+    backbone = dict(..., init_cfg=dict(type='Pretrained',
+                                       checkpoint='flatten_mm://flatten-pvt-v2-b0'))
+    load_from = 'flatten_mm://mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco'
+    # python tools/test.py CONFIG flatten_mm://mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco
+
+On first use the official file is downloaded to ``<home>/official/<name>.pth``
+(resumable, SHA-256 checked: ``flatten_mm.checkpoints.download``), converted, and the
+converted file cached as ``<home>/<name>_in1k.pth`` (ImageNet) or ``<home>/<name>.pth``
+(whole models); later uses read the cache. ``<home>`` is ``$FLATTEN_MM_HOME``, by default
+``flatten_mm`` in torch's hub directory (``$TORCH_HOME/hub``, ``~/.cache/torch/hub``).
+Without network, put the official file (downloaded by hand) at
+``<home>/official/<name>.pth``: it is picked up from there. In distributed runs rank 0
+prepares the file while the others wait (as mmengine does for URLs).
+
+Importing ``flatten_mm.models`` registers the scheme (``install``).
+"""
+import os
+import os.path as osp
+from typing import Optional
+
+import torch
+from mmengine.dist import barrier, get_dist_info
+from mmengine.runner.checkpoint import CheckpointLoader
+
+from ..checkpoints.download import fetch, sha256_of
+from ..checkpoints.io import load_foreign_checkpoint, save_checkpoint_file
+from ..checkpoints.official import convert_official_file
+from . import zoo
+
+SCHEME = zoo.SCHEME
+HOME_ENV = 'FLATTEN_MM_HOME'
+
+
+def home() -> str:
+    """Where the scheme keeps its files: ``$FLATTEN_MM_HOME``, else
+    ``<torch hub dir>/flatten_mm``."""
+    return osp.expanduser(os.environ.get(HOME_ENV) or osp.join(torch.hub.get_dir(),
+                                                               'flatten_mm'))
+
+
+def official_dir(root: Optional[str] = None) -> str:
+    """Where official files are downloaded to, and picked up from when put there by hand."""
+    return osp.join(root or home(), 'official')
+
+
+def converted_path(weights: zoo.OfficialWeights, root: Optional[str] = None) -> str:
+    """The converted file of ``weights``: ``<root>/<name>_in1k.pth`` or ``<root>/<name>.pth``."""
+    return osp.join(root or home(), osp.basename(weights.target))
+
+
+def prepare(name: str, root: Optional[str] = None, force: bool = False,
+            trust: bool = False, official_file: Optional[str] = None) -> str:
+    """The converted file of the official checkpoint ``name`` under ``root`` (default
+    ``home()``), downloaded and converted unless already there (``force``: download and
+    convert again). ``official_file``: convert this file instead of downloading;
+    ``trust``: full unpickling of the official file (only for a source you trust).
+
+    Raises:
+        ValueError: ``name`` has no official checkpoint (the message says whether it is a
+            variant without released weights and how to go on).
+        DownloadError: no network and no file in ``official_dir`` (the message names the
+            URL and that path), or a SHA-256 mismatch.
+        ConversionError / CheckpointError: the official file does not convert.
+    """
+    weights = zoo.get_official_weights(name)
+    dst = converted_path(weights, root)
+    if osp.isfile(dst) and not force:
+        return dst
+    if official_file is None:
+        raw = fetch(weights.name, weights.urls, official_dir(root), sha256=weights.sha256,
+                    manual_urls=weights.manual_urls, force=force)
+        source = weights.urls[0]
+    else:
+        raw = source = official_file
+    ckpt = load_foreign_checkpoint(raw, trust=trust)
+    out = convert_official_file(ckpt, weights.family, weights.arch, weights.is_whole_model,
+                                source=source)
+    out['meta'].update(name=weights.name, sha256=sha256_of(raw))
+    save_checkpoint_file(out, dst, force=True)
+    return dst
+
+
+def load_from_flatten_mm(filename: str, map_location=None):
+    """mmengine ``CheckpointLoader`` entry of ``flatten_mm://<name>``."""
+    name = filename[len(SCHEME):].strip('/')
+    rank, world_size = get_dist_info()
+    if rank == 0:
+        path = prepare(name)
+    if world_size > 1:
+        barrier()
+    if rank > 0:
+        path = prepare(name)
+    return CheckpointLoader.load_checkpoint(path, map_location=map_location)
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register ``flatten_mm://`` with mmengine's ``CheckpointLoader`` (idempotent)."""
+    global _installed
+    if not _installed:
+        CheckpointLoader.register_scheme(prefixes=SCHEME, loader=load_from_flatten_mm,
+                                         force=True)
+        _installed = True
