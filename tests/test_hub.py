@@ -150,6 +150,14 @@ def test_official_file_of_another_family_is_still_refused(tmp_path):
     assert 'official flatten_swin checkpoint that was not converted' in msg
 
 
+def test_official_file_of_another_variant_is_still_refused(tmp_path):
+    path = tmp_path / 'b1.pth'
+    torch.save({'model': load_key_listing('flatten_pvt_v2_b1')}, path)
+    with pytest.raises(ValueError, match=r'does not fit FLattenPVTv2 .*other shapes '
+                       r'\(another variant\?\)'):
+        init_from(str(path))
+
+
 def test_missing_local_file_of_a_released_variant_names_the_scheme(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         init_from(str(tmp_path / f'{NAME}_in1k.pth'))
