@@ -7,23 +7,23 @@ configs use). Each rewrite computes the same values in a form torch.export keeps
   and the exported file then resizes to the export size at every input size. For an
   integral ``scale_factor`` (2 in every mmseg config) the rewrite uses ``t * int(sf)``:
   the same sizes, kept symbolic.
-* ``QuadTreeAttention`` inference: every level as one chunk
-  (``quadtree_attention.levels_in_one_chunk``): the chunk loop is Python, so the traced
-  graph would hold every chunk unrolled (5x slower export at 256x256, impractical at 512x512).
 * ``torch.nn.AdaptiveAvgPool2d`` (UperNet's PPM, pooling to 1/2/3/6 bins): the exporter
   decomposes it into gathers at indices computed for the export size (the file failed
   at a second size: ``GatherND ... invalid index``). The rewrite averages each bin
   ``[floor(i H / n), ceil((i + 1) H / n))`` as a slice, the bins PyTorch uses.
 * two-stage mmdet detectors (RPN proposals, RoI extractor, RoIAlign, mmdet's legacy ONNX
   branches): ``two_stage.two_stage_rewrites``, see there.
+
+Our operators need no rewrite: while a graph is captured (``torch.export``, which the
+dynamo ONNX exporter runs) they take the forms ONNX Runtime runs fast themselves
+(``models.ops.capture``: QuadTree's tile form, the FLA key mean as a matrix product),
+also for a user's own ``torch.onnx.export`` call.
 """
 import contextlib
 from typing import Iterator, List
 
 import torch
 import torch.nn as nn
-
-from flatten_mm.models.layers.quadtree_attention import levels_in_one_chunk
 
 from .two_stage import two_stage_rewrites
 
@@ -81,8 +81,6 @@ def export_rewrites() -> Iterator[List[str]]:
     applied.append('torch.nn.AdaptiveAvgPool2d (bins as slices)')
     stack = contextlib.ExitStack()
     undo.append(stack.close)
-    stack.enter_context(levels_in_one_chunk())
-    applied.append('flatten_mm QuadTreeAttention (levels in one chunk)')
     applied.extend(stack.enter_context(two_stage_rewrites()))
     try:
         yield applied

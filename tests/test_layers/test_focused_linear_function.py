@@ -209,6 +209,30 @@ def test_every_gemm_branch_gives_the_formula(monkeypatch, strided, per_sample):
     torch.testing.assert_close(plain, ref, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize('B,N,n,C,h,p,with_pos', CASES)
+def test_graph_capture_form_gives_the_formula(B, N, n, C, h, p, with_pos, monkeypatch):
+    """While a graph is captured the key mean is a matrix product (``ops.capture``); the
+    core still gives the formula's outputs and gradients, with and without autograd."""
+    from flatten_mm.models.layers import focused_linear_function as flf
+    products = []
+    mean = torch.Tensor.mean
+    monkeypatch.setattr(flf, 'graph_capture', lambda: True)
+    monkeypatch.setattr(torch.Tensor, 'mean', lambda *a, **k: products.append(0) or mean(*a, **k))
+    ins = _inputs(B, N, n, C, with_pos)
+    pos = ins[4] if with_pos else None
+    out = focused_linear_core_lean(*ins[:4], h, p, k_pos=pos)
+    with torch.no_grad():
+        plain = fla.focused_linear_core(*ins[:4], h, p, k_pos=pos)
+    assert not products  # no Tensor.mean on the captured path
+    monkeypatch.setattr(torch.Tensor, 'mean', mean)
+    ref = _reference(ins, h, p, with_pos)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(plain, ref, rtol=1e-12, atol=1e-14)
+    for a, b in zip(torch.autograd.grad(out, ins, grad), torch.autograd.grad(ref, ins, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_batch_chunks_split_only_large_multi_head_batches():
     from flatten_mm.models.layers.focused_linear_function import PER_SAMPLE_NUMEL, batch_chunks
     big = PER_SAMPLE_NUMEL // 64

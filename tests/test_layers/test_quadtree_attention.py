@@ -518,27 +518,65 @@ def test_chunking_does_not_change_results():
     torch.testing.assert_close(small(x, (16, 8)), m(x, (16, 8)))
 
 
-def test_levels_in_one_chunk_same_values_one_chunk(monkeypatch):
-    """The export-time switch: a level that normally runs in several chunks of parent rows
-    runs as one (counted at ``_group_children``, called once per chunk), same values."""
+def test_graph_capture_takes_the_tile_form(monkeypatch):
+    """While a graph is captured for a runtime, each finer inference level runs once in
+    the tile form (no chunks), with the chunked path's values."""
     from flatten_mm.models.layers import quadtree_attention as qa
     # tiny budgets so that the finer levels of a 32x24 map are chunked
     monkeypatch.setattr(qa, '_LEVEL_ONE_CHUNK_ELEMENTS', 64)
     monkeypatch.setattr(qa, '_DENSE_ONE_CHUNK_ELEMENTS', 64)
     monkeypatch.setattr(qa, '_LEVEL_CHUNK_ELEMENTS', 64)
     calls = []
-    group = qa.group_children
-    monkeypatch.setattr(qa, 'group_children', lambda *a: calls.append(1) or group(*a))
+    tiles = qa.finer_level_tiles
+    monkeypatch.setattr(qa, 'finer_level_tiles', lambda *a: calls.append(1) or tiles(*a))
     torch.manual_seed(0)
-    m = QuadTreeAttention(8, 2, num_levels=3, topk=4).eval()
     x = torch.randn(1, 32 * 24, 8)
-    # the PyTorch inference path (the fused CPU kernel has no chunks)
-    with torch.no_grad(), qa.cpu_kernels.use_cpu_kernels(False):
-        chunked = m(x, (32, 24))
-        n_chunked = len(calls)
+    for attn_type in ('A', 'B'):
+        m = QuadTreeAttention(8, 2, num_levels=3, topk=4, attn_type=attn_type).eval()
+        # the PyTorch inference path (the fused CPU kernel has no chunks)
+        with torch.no_grad(), qa.cpu_kernels.use_cpu_kernels(False):
+            chunked = m(x, (32, 24))
+            assert not calls
+            with monkeypatch.context() as mp:
+                mp.setattr(qa, 'graph_capture', lambda: True)
+                captured = m(x, (32, 24))
+        assert len(calls) == 2  # 2 finer levels, one call each
         calls.clear()
-        with qa.levels_in_one_chunk():
-            whole = m(x, (32, 24))
-    assert n_chunked > 2 and len(calls) == 2  # 2 finer levels, one chunk each
-    assert qa._ONE_CHUNK is False  # restored on exit
-    torch.testing.assert_close(whole, chunked, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(captured, chunked, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+@pytest.mark.parametrize('B,h,C,hw,Kp,topk', [(2, 2, 16, (8, 12), 4, 4),
+                                              (1, 1, 8, (16, 16), 8, 8),
+                                              (1, 2, 8, (8, 8), 16, None)])
+def test_tile_level_equals_the_chunked_level(attn_type, B, h, C, hw, Kp, topk):
+    """``ops.quadtree_tiles.finer_level_tiles`` against ``_finer_level_inference`` in
+    float64: messages, the next level's selected keys (as sets) and, for A, their scores."""
+    from flatten_mm.models.layers import quadtree_attention as qa
+    from flatten_mm.models.ops.quadtree_layout import to_heads
+    from flatten_mm.models.ops.quadtree_tiles import finer_level_tiles
+    g = torch.Generator().manual_seed(0)
+    hi, wi = hw
+    P = hi * wi // 4
+    q = torch.randn(B, C, hi, wi, dtype=torch.float64, generator=g)
+    k, v = (to_heads(torch.randn(B, C, hi, wi, dtype=torch.float64, generator=g), h)
+            for _ in range(2))
+    prev_idx = torch.stack([torch.randperm(P, generator=g)[:Kp]
+                            for _ in range(B * h * P)]).view(B, h, P, Kp)
+    prev_score = (torch.rand(B, h, P, Kp, dtype=torch.float64, generator=g)
+                  if attn_type == 'A' else None)
+    init = torch.randn(B, h, hi * wi, C // h, dtype=torch.float64, generator=g)
+    ref = qa._finer_level_inference(q, k, v, prev_idx, prev_score, h, 0.3, attn_type, topk,
+                                    None, 1, init.clone())
+    got = finer_level_tiles(q, k, v, prev_idx, prev_score, h, 0.3, attn_type, topk, init)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
+    if topk is None:
+        assert got[1] is None and got[2] is None
+        return
+    order_got, order_ref = got[1].argsort(-1), ref[1].argsort(-1)
+    assert torch.equal(got[1].gather(-1, order_got), ref[1].gather(-1, order_ref))
+    if attn_type == 'A':
+        torch.testing.assert_close(got[2].gather(-1, order_got),
+                                   ref[2].gather(-1, order_ref), rtol=1e-12, atol=1e-12)
+    else:
+        assert got[2] is None

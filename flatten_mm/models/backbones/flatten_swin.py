@@ -63,9 +63,11 @@ class PatchMerging(nn.Module):
         x = x.reshape(B, H, W, C)
         if H % 2 or W % 2:
             x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]],
-                      dim=-1)
-        hw = (x.shape[1], x.shape[2])
+        hw = (x.shape[1] // 2, x.shape[2] // 2)
+        # channels [x(2i, 2j), x(2i+1, 2j), x(2i, 2j+1), x(2i+1, 2j+1)] (the official
+        # concat of the four strided slices) as one permute: (dw, dh) become the
+        # outer channel index, dh fastest (one Transpose in ONNX instead of 4 Slice + Concat)
+        x = x.view(B, hw[0], 2, hw[1], 2, C).permute(0, 1, 3, 4, 2, 5)
         return self.reduction(self.norm(x.reshape(B, hw[0] * hw[1], 4 * C))), hw
 
 

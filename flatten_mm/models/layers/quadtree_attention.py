@@ -54,12 +54,16 @@ Implementation notes:
   rows, and training through an autograd function whose backward rebuilds the weights
   from the level's queries, keys, values and selected cells (no ``(N, 4K)`` weights,
   candidate lists or gathered rows kept).
+* While a graph is captured for another runtime (``torch.export`` / ONNX export,
+  ``ops.capture``) the finer inference levels take the tile form of
+  ``ops.quadtree_tiles``: one gather of whole 2x2 key / value tiles per selected cell and
+  batched products, in one piece (no chunk loop to unroll, no ``embedding_bag``, which
+  exports as a loop over bags).
 """
-import contextlib
 import dataclasses
 import functools
 import math
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -71,9 +75,11 @@ from ..ops import quadtree_cpu as cpu_kernels
 from ..ops import specialisation as spec
 from ..ops.autograd_paths import (autocast_operands, differentiate_reference, recorded_eagerly,
                                   records_backward_graph, register_reference)
+from ..ops.capture import graph_capture
 from ..ops.layout import tokens_as_map
 from ..ops.quadtree_layout import (child_candidates, children_to_raster, flat_rows,
                                    group_children, level_queries, to_heads, upsample_tokens)
+from ..ops.quadtree_tiles import finer_level_tiles
 
 #: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
 MarginRecorder = Callable[[int, float], None]
@@ -374,7 +380,7 @@ def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: to
     M, K = key.shape[2], index.shape[-1]
     table = key.reshape(B * h * M, d).contiguous()
     per_parent = B * h * K * d
-    if _ONE_CHUNK:
+    if graph_capture():
         chunk = L
     elif query.device.type == 'cpu' and L * per_parent > _CHUNK_ABOVE_ELEMENTS:
         chunk = min(chunk, max(1, _CACHE_CHUNK_ELEMENTS // per_parent))
@@ -738,6 +744,13 @@ def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor
         init = run.lepe(i).contiguous()
         run.lepe_added.add(i)
     level = _finer_level_inference
+    if graph_capture() and run.margin_recorder is None:
+        # a graph for a runtime: the tile form, dense batched ops in one piece (a traced
+        # chunk loop would be unrolled, and embedding_bag exports as a loop over bags)
+        msg, run.prev_idx, run.prev_score = finer_level_tiles(
+            query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp,
+            run.attn_type, None if final else run.topks[i], init)
+        return msg
     if _uses_cpu_kernels(run, k):
         level = functools.partial(_finer_level_cpu_kernel, cpu_kernels.quadtree_level_kernel())
     msg, run.prev_idx, run.prev_score = level(
@@ -900,26 +913,6 @@ _LEVEL_CHUNK_ELEMENTS = 1 << 19
 #: the same bound for levels scored by one dense GEMM (4 MiB: e.g. the 28x28 level of a
 #: 56x56 map in one piece, 0.8 ms faster than two chunks on 2 CPU threads)
 _DENSE_ONE_CHUNK_ELEMENTS = 1 << 20
-#: ``levels_in_one_chunk`` sets this: every inference level in one piece
-_ONE_CHUNK = False
-
-
-@contextlib.contextmanager
-def levels_in_one_chunk() -> Iterator[None]:
-    """Inside the block the inference path runs every level as one chunk.
-
-    For graph export (``flatten_mm.deploy``): the chunk loop is plain Python, so a traced
-    graph holds every chunk's ops unrolled (a QuadTree-B-b0 export at 256x256 takes ~5x
-    longer with the chunks) while one chunk gives the same values with ~15 ops per level;
-    the exported file then holds a level's gathered rows at once (more memory, no extra
-    compute). Not thread-safe: it sets a module flag.
-    """
-    global _ONE_CHUNK
-    previous, _ONE_CHUNK = _ONE_CHUNK, True
-    try:
-        yield
-    finally:
-        _ONE_CHUNK = previous
 #: on accelerators kernel launches, not caches, set the cost of a chunk (~20 launches):
 #: levels run in chunks of up to 16 Mi elements (64 MiB): a few chunks per level at most
 _DEVICE_LEVEL_CHUNK_ELEMENTS = 1 << 24
@@ -988,7 +981,7 @@ def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         chunk_elements = _LEVEL_CHUNK_ELEMENTS
     else:
         one_chunk = chunk_elements = _DEVICE_LEVEL_CHUNK_ELEMENTS
-    rows_per_chunk = hi // 2 if _ONE_CHUNK or per_row * (hi // 2) <= one_chunk else \
+    rows_per_chunk = hi // 2 if graph_capture() or per_row * (hi // 2) <= one_chunk else \
         max(1, chunk_elements // per_row)
     for r0 in range(0, hi // 2, rows_per_chunk):
         r1 = min(hi // 2, r0 + rows_per_chunk)

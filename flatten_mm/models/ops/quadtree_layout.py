@@ -57,6 +57,15 @@ def children_to_raster(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
     return x.reshape(B, h, H * W, X)
 
 
+def raster_to_children(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+    """``(B, h, H*W, X)`` raster of the ``hw`` grid -> ``(B, h, L, 4, X)`` grouped by parent
+    (the inverse of ``children_to_raster``)."""
+    B, h, _, X = x.shape
+    H, W = hw
+    x = x.reshape(B, h, H // 2, 2, W // 2, 2, X).transpose(3, 4)
+    return x.reshape(B, h, (H // 2) * (W // 2), 4, X)
+
+
 def upsample_tokens(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
     """Nearest 2x upsampling of raster tokens ``(B, h, H*W, X)`` -> ``(B, h, 4HW, X)``."""
     B, h, _, X = x.shape
