@@ -48,18 +48,6 @@ from benchmarks import core as bm  # noqa: E402
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 
-def _ints(text: str):
-    return tuple(int(t) for t in text.split(',') if t)
-
-
-def _resolutions(text: str):
-    out = []
-    for item in text.split(','):
-        h, _, w = item.partition('x')
-        out.append((int(h), int(w or h)))
-    return tuple(out)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--ops', action='store_true', help='run the op-level suite')
@@ -174,8 +162,8 @@ def main(argv=None) -> int:
             print(f'- {name}: {json.dumps(value)}')
 
     if args.ops:
-        sides = (8, 16) if quick else _ints(args.sides)
-        dims = (16, ) if quick else _ints(args.head_dims)
+        sides = (8, 16) if quick else bm.parse_ints(args.sides)
+        dims = (16, ) if quick else bm.parse_ints(args.head_dims)
         op_rows = bm.run_op_benchmark(
             ops=tuple(args.op_names.split(',')), sides=sides, head_dims=dims,
             num_heads=args.heads, batch=args.batch or 1, device=args.device, dtype=dtype,
@@ -204,7 +192,7 @@ def main(argv=None) -> int:
     if args.backbones:
         pairs = _pairs(args, quick)
         bb_rows = bm.run_backbone_benchmark(
-            pairs=pairs, resolutions=((64, 64), ) if quick else _resolutions(
+            pairs=pairs, resolutions=((64, 64), ) if quick else bm.parse_resolutions(
                 args.resolutions or '224,512,1024,800x1280'),
             batch=args.batch or 1, device=args.device, dtype=dtype,
             warmup=args.warmup if args.warmup is not None else 1,
@@ -237,7 +225,7 @@ def main(argv=None) -> int:
 
     if args.steps:
         step_rows, pairs = [], _pairs(args, quick)
-        sizes = ((64, 64), ) if quick else _resolutions(args.resolutions
+        sizes = ((64, 64), ) if quick else bm.parse_resolutions(args.resolutions
                                                         or '512,1024,800x1344')
         for hw, ours in [(hw, ours) for hw in sizes for ours in pairs]:
             new_rows = bm.run_step_benchmark(
@@ -260,7 +248,7 @@ def main(argv=None) -> int:
 
     if args.whole_models:
         model_rows = []
-        for hw in ((64, 64), ) if quick else _resolutions(args.resolutions
+        for hw in ((64, 64), ) if quick else bm.parse_resolutions(args.resolutions
                                                           or '512,1024,800x1344'):
             new_rows = bm.run_whole_model_benchmark(
                 input_hws=(hw, ), batch=args.batch or (1 if quick else 2), device=args.device,
@@ -281,7 +269,7 @@ def main(argv=None) -> int:
 
     profile = None
     if args.profile:
-        hw = (64, 64) if quick else _resolutions(args.resolutions or '512')[0]
+        hw = (64, 64) if quick else bm.parse_resolutions(args.resolutions or '512')[0]
         summaries, kernels = bm.run_profile(
             _pairs(args, quick), hw=hw, batch=args.batch or 2, device=args.device, amp=amp,
             top=args.profile_top, quick=quick, log=log,

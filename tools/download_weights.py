@@ -97,7 +97,8 @@ def main(argv=None) -> int:
             if args.from_file and not osp.isfile(args.from_file):
                 raise FileNotFoundError(f'--from-file {args.from_file} not found')
             dst = hub.prepare(name, args.dir, force=args.force, trust=args.trust_checkpoint,
-                              official_file=args.from_file)
+                              official_file=args.from_file,
+                              log=lambda msg: print(msg, file=sys.stderr))
             if weights.is_whole_model:
                 check_whole_model(weights, dst)
                 print(f'wrote {dst}; evaluate it: python tools/test.py {weights.config} '

@@ -40,8 +40,9 @@ log-log PNG with the fitted scaling exponent of every op (``plots``). Modules:
 ``profiling``, ``syncs``, ``compilation`` (graph breaks), ``scale`` (largest image),
 ``output``, ``plots``, ``env``.
 """
-from .cases import (BACKBONE_PAIRS, RESOLUTIONS, BackboneCase, backbone_cases, quick_pairs,
-                    ratio_rows, run_backbone_benchmark, select_pairs, tiny_backbones)
+from .cases import (BACKBONE_PAIRS, RESOLUTIONS, BackboneCase, backbone_cases, parse_ints,
+                    parse_resolutions, quick_pairs, ratio_rows, run_backbone_benchmark,
+                    select_pairs, tiny_backbones)
 from .env import environment
 from .compilation import compile_report
 from .ops import (OPS, QUADRATIC_OPS, make_op, op_exponents, quadtree_levels,
@@ -62,7 +63,7 @@ __all__ = [
     'OP_COLUMNS', 'PROFILE_COLUMNS', 'QUADRATIC_OPS', 'RATIO_COLUMNS', 'RESOLUTIONS',
     'SIMA_COLUMNS', 'STEPS', 'STEP_COLUMNS', 'STEP_RATIO_COLUMNS', 'TRAIN_RESOLUTIONS',
     'WHOLE_MODEL_PAIRS', 'BackboneCase', 'Timing', 'backbone_step', 'markdown_ratio_table',
-    'output_loss', 'profile_backbone', 'run_profile', 'backbone_host_syncs', 'host_syncs',
+    'output_loss', 'parse_ints', 'parse_resolutions', 'profile_backbone', 'run_profile', 'backbone_host_syncs', 'host_syncs',
     'training_step_syncs', 'run_step_benchmark', 'run_whole_model_benchmark',
     'step_ratio_rows', 'whole_model_pairs',
     'backbone_cases', 'plot_scale', 'compile_report', 'environment', 'fit_exponent',

@@ -21,6 +21,20 @@ BACKBONE_PAIRS: Dict[str, Tuple[str, ...]] = {
 RESOLUTIONS = ((224, 224), (512, 512), (1024, 1024), (800, 1280))
 
 
+def parse_ints(text: str) -> Tuple[int, ...]:
+    """``'1,2'`` -> ``(1, 2)`` (command-line lists)."""
+    return tuple(int(t) for t in text.split(',') if t)
+
+
+def parse_resolutions(text: str) -> Tuple[Tuple[int, int], ...]:
+    """``'512,800x1280'`` -> ``((512, 512), (800, 1280))``: ``S`` is ``S x S``."""
+    out = []
+    for item in text.split(','):
+        h, _, w = item.partition('x')
+        out.append((int(h), int(w or h)))
+    return tuple(out)
+
+
 @dataclass
 class BackboneCase:
     """How to build and run one backbone at one resolution."""

@@ -100,7 +100,7 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
     """
     from .timing import measure_alternating
     from flatten_mm.deploy.export import export_onnx, max_relative_differences
-    from flatten_mm.deploy.runtime import OnnxModel
+    from flatten_mm.deploy.runtime import OnnxModel, ort_session
     from flatten_mm.deploy.targets import backbone_target
     from flatten_mm.models.catalogue import get_backbone_spec
     if counterparts:
@@ -135,7 +135,7 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
                             diff = max(max_relative_differences(target.module(x), ours(xn)))
                         cases = {'eager': lambda: target.module(x), 'onnx': lambda: ours(xn)}
                         if counterparts:
-                            theirs = _plain_session(other_path, n)
+                            theirs = ort_session(other_path, threads=n)
                             feed = {theirs.get_inputs()[0].name: xn}
                             cases['counterpart'] = lambda: theirs.run(None, feed)
                         t = measure_alternating(cases, torch.device('cpu'), warmup=warmup,
@@ -160,11 +160,3 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
 def _ms(timing) -> float:
     return round(timing.median * 1e3, 2)
 
-
-def _plain_session(path: str, threads: int):
-    import onnxruntime as ort
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    return ort.InferenceSession(path, opts, providers=['CPUExecutionProvider'])

@@ -9,12 +9,15 @@ first download in ``<folder>/SHA256SUMS.json``. A file put into ``<folder>`` by 
 """
 import hashlib
 import json
+import logging
 import os
 import os.path as osp
 import sys
 import time
 import urllib.request
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+from mmengine.logging import print_log
 
 CHUNK = 1 << 20
 SUMS_FILE = 'SHA256SUMS.json'
@@ -22,6 +25,11 @@ SUMS_FILE = 'SHA256SUMS.json'
 
 class DownloadError(RuntimeError):
     """A download failed or its SHA-256 does not match."""
+
+
+def log_message(msg: str) -> None:
+    """Where download messages go by default: mmengine's current logger (INFO)."""
+    print_log(msg, logger='current', level=logging.INFO)
 
 
 def sha256_of(path: str) -> str:
@@ -45,9 +53,10 @@ def _progress(done: int, total: Optional[int], start: float, final: bool = False
     sys.stderr.flush()
 
 
-def download(url: str, path: str) -> None:
+def download(url: str, path: str, log: Callable[[str], None] = log_message) -> None:
     """Download ``url`` to ``path`` through ``path + '.part'``, resuming a partial file
-    (HTTP range request; ``file://`` URLs skip the bytes already there).
+    (HTTP range request; ``file://`` URLs skip the bytes already there); messages go to
+    ``log``, the progress bar to stderr.
 
     Raises:
         DownloadError: the URL cannot be read.
@@ -74,7 +83,7 @@ def download(url: str, path: str) -> None:
         else:  # no resume possible: start again
             offset, mode, total = 0, 'wb', length
         if offset:
-            print(f'  resuming at {offset / 2**20:.1f} MiB ({offset} bytes)', file=sys.stderr)
+            log(f'  resuming at {offset / 2**20:.1f} MiB ({offset} bytes)')
         done, start = offset, time.time()
         with open(part, mode) as f:
             for block in iter(lambda: resp.read(CHUNK), b''):
@@ -95,10 +104,11 @@ def _load_sums(path: str) -> dict:
 
 
 def fetch(name: str, urls: Sequence[str], folder: str, sha256: Optional[str] = None,
-          manual_urls: Sequence[str] = (), force: bool = False) -> str:
+          manual_urls: Sequence[str] = (), force: bool = False,
+          log: Callable[[str], None] = log_message) -> str:
     """``<folder>/<name>.pth``: downloaded from the first of ``urls`` that answers unless
     already there, then its SHA-256 checked (``sha256``: the published sum, else the one
-    recorded at the first download) or recorded.
+    recorded at the first download) or recorded; messages go to ``log``.
 
     Raises:
         DownloadError: no URL could be read (the message names every URL, the manual
@@ -112,9 +122,9 @@ def fetch(name: str, urls: Sequence[str], folder: str, sha256: Optional[str] = N
     if not osp.isfile(raw):
         errors = []
         for url in urls:
-            print(f'downloading {url}', file=sys.stderr)
+            log(f'downloading {url}')
             try:
-                download(url, raw)
+                download(url, raw, log)
                 break
             except DownloadError as err:
                 errors.append(str(err))
@@ -138,8 +148,8 @@ def fetch(name: str, urls: Sequence[str], folder: str, sha256: Optional[str] = N
             json.dump(sums, f, indent=1, sort_keys=True)
         os.replace(tmp, sums_path)
         if not sha256:
-            print(f'SHA-256 {digest} (no published sum; recorded in {sums_path} and checked on '
-                  'later runs)', file=sys.stderr)
+            log(f'SHA-256 {digest} (no published sum; recorded in {sums_path} and checked on '
+                'later runs)')
     else:
-        print(f'SHA-256 {digest} ok', file=sys.stderr)
+        log(f'SHA-256 {digest} ok')
     return raw

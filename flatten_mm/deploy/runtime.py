@@ -40,6 +40,19 @@ def check_input_shape(meta: Dict[str, str], shape: Sequence[int], path: str = 't
                      f'got {H}x{W}')
 
 
+def ort_session(path: str, providers=('CPUExecutionProvider', ), threads: int = 0):
+    """An ``onnxruntime.InferenceSession`` of any ``.onnx`` file: errors-only logging (no
+    unused-initializer warnings), ``threads`` intra-op threads and one inter-op thread
+    (0: ONNX Runtime's defaults)."""
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    return ort.InferenceSession(path, opts, providers=list(providers))
+
+
 class OnnxModel:
     """An ONNX Runtime (CPU) session of a file written by ``export_onnx``.
 
@@ -53,18 +66,12 @@ class OnnxModel:
     """
 
     def __init__(self, path: str, providers=('CPUExecutionProvider', ), threads: int = 0):
-        import onnxruntime as ort
         self.path = path
         self.meta = read_metadata(path)
         if 'min_hw' not in self.meta:
             raise ValueError(f'{path} has no flatten_mm size metadata: export it with '
                              'flatten_mm.deploy.export_onnx / tools/deployment/export_onnx.py')
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3  # errors only (no unused-initializer warnings)
-        if threads:
-            opts.intra_op_num_threads = threads
-            opts.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(path, opts, providers=list(providers))
+        self.session = ort_session(path, providers, threads)
         self.input_name = self.session.get_inputs()[0].name
         self.output_names = [o.name for o in self.session.get_outputs()]
 

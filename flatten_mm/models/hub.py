@@ -23,13 +23,13 @@ Importing ``flatten_mm.models`` registers the scheme (``install``).
 """
 import os
 import os.path as osp
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from mmengine.dist import barrier, get_dist_info
 from mmengine.runner.checkpoint import CheckpointLoader
 
-from ..checkpoints.download import fetch, sha256_of
+from ..checkpoints.download import fetch, log_message, sha256_of
 from ..checkpoints.io import load_foreign_checkpoint, save_checkpoint_file
 from ..checkpoints.official import convert_official_file
 from . import zoo
@@ -56,11 +56,13 @@ def converted_path(weights: zoo.OfficialWeights, root: Optional[str] = None) -> 
 
 
 def prepare(name: str, root: Optional[str] = None, force: bool = False,
-            trust: bool = False, official_file: Optional[str] = None) -> str:
+            trust: bool = False, official_file: Optional[str] = None,
+            log: Callable[[str], None] = log_message) -> str:
     """The converted file of the official checkpoint ``name`` under ``root`` (default
     ``home()``), downloaded and converted unless already there (``force``: download and
     convert again). ``official_file``: convert this file instead of downloading;
-    ``trust``: full unpickling of the official file (only for a source you trust).
+    ``trust``: full unpickling of the official file (only for a source you trust);
+    ``log``: where the download's messages go (default mmengine's current logger).
 
     Raises:
         ValueError: ``name`` has no official checkpoint (the message says whether it is a
@@ -75,7 +77,7 @@ def prepare(name: str, root: Optional[str] = None, force: bool = False,
         return dst
     if official_file is None:
         raw = fetch(weights.name, weights.urls, official_dir(root), sha256=weights.sha256,
-                    manual_urls=weights.manual_urls, force=force)
+                    manual_urls=weights.manual_urls, force=force, log=log)
         source = weights.urls[0]
     else:
         raw = source = official_file

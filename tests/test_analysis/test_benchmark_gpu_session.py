@@ -11,6 +11,8 @@ import sys
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from benchmark_cli import load_cli  # noqa: E402
 
+from benchmarks import core as bm  # noqa: E402
+
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 SCRIPT = osp.join(ROOT, 'scripts', 'gpu_session.sh')
 
@@ -56,8 +58,8 @@ def test_every_gpu_command_parses():
         if name.startswith('steps_'):
             assert argv[1] == f'FLATTEN_MM_TRITON={name[-1]}' and args.steps == 'forward,train'
             assert args.amp == name.split('_')[1] and args.batch == 8
-            assert cli._resolutions(args.resolutions) == ((512, 512), (1024, 1024),
-                                                          (800, 1344))
+            assert bm.parse_resolutions(args.resolutions) == ((512, 512), (1024, 1024),
+                                                              (800, 1344))
         if name.startswith('profile_'):
             assert args.profile and args.batch == 8 and args.resolutions == '512'
         if name.startswith('compile_'):

@@ -41,9 +41,9 @@ def test_cli_writes_paired_rows(tmp_path):
     out = tmp_path / 'rows.csv'
     n = torch.get_num_threads()
     try:
-        assert load_cli('benchmark_onnx.py').main(['--backbones', 'flatten-pvt-v2-b0', '--sizes', '64', '96x64',
-                            '--threads', '1', '--warmup', '0', '--repeats', '1',
-                            '--csv', str(out)]) == 0
+        assert load_cli('benchmark_onnx.py').main([
+            '--backbones', 'flatten-pvt-v2-b0', '--resolutions', '64,96x64', '--threads', '1',
+            '--warmup', '0', '--repeats', '1', '--csv', str(out)]) == 0
     finally:
         torch.set_num_threads(n)
     rows = list(csv.DictReader(open(out)))
