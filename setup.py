@@ -95,6 +95,9 @@ setup(
                 'matplotlib'],
         'seg': ['addict', 'packaging', 'Pillow', 'pyyaml', 'yapf', 'opencv-python',
                 'prettytable', 'ftfy', 'regex', 'scipy', 'matplotlib'],
+        # mmpretrain==1.2.0 (--no-deps, scripts/setup_env.sh): ImageNet pretraining with the
+        # configs/mmpretrain configs; these are its runtime needs
+        'cls': ['einops', 'importlib-metadata', 'mat4py', 'matplotlib', 'modelindex', 'rich'],
         # openmim: `mim search flatten_mm` (tests/test_docs.py). 0.3.7 is the last release
         # without the opendatalab -> openxlab dependency, which pins setuptools~=60.2,
         # requests~=2.28.2 and packaging~=24.0 and would downgrade them here.

@@ -5,6 +5,7 @@
     python benchmarks/benchmark.py --ops --device cuda --dtype bf16
     python benchmarks/benchmark.py --train --device cuda --amp bf16 --execs eager,compile
     python benchmarks/benchmark.py --whole-models --device cuda --resolutions 800x1344
+    python benchmarks/benchmark.py --classifiers --classifier-batches 8,32 --device cuda
     python benchmarks/benchmark.py --profile --families flatten-pvt-v2-b0 --batch 2
     python benchmarks/benchmark.py --markdown table.md --from-csv docs/benchmarks/x.csv
 
@@ -25,7 +26,10 @@ step of the same backbone pairs (default batch 8 at 512², 1024², 800x1344), un
 ``--amp bf16`` autocast if asked, eager and / or ``torch.compile`` (``--execs
 eager,compile``), with the peak memory of a step; ``--whole-models`` does the same for a
 whole Mask R-CNN (FLatten-PVTv2-b0 vs mmdet PVTv2-b0) and UperNet (FLatten-Swin-T vs
-mmseg Swin-T) built from our configs (default batch 2). ``--profile`` writes the
+mmseg Swin-T) built from our configs (default batch 2); ``--classifiers`` (also run by
+``--train``) the ImageNet classifiers of ``configs/mmpretrain`` at 224x224 against the
+softmax counterparts' (``--classifier-batches``, default 8 and 32): what pretraining
+costs. ``--profile`` writes the
 ``torch.profiler`` table of one forward + backward (top kernels, launches per forward /
 backward and per block, bytes moved vs ideal). ``--markdown`` writes README-style
 tables of the run (or, with ``--from-csv``, of stored CSVs without running anything).
@@ -77,6 +81,14 @@ def parse_args(argv=None):
                    'same config with the softmax backbone')
     p.add_argument('--model-names', default=None,
                    help='comma-separated subset of the whole models (default all)')
+    p.add_argument('--classifiers', action='store_true',
+                   help='training steps of the ImageNet classifiers (configs/mmpretrain) at '
+                   '224x224, ours vs the softmax counterpart: what pretraining costs (also '
+                   'run by --train)')
+    p.add_argument('--classifier-batches', default=None,
+                   help='batches of --classifiers, comma-separated (default 8,32)')
+    p.add_argument('--classifier-names', default=None,
+                   help='comma-separated subset of the classifiers (default all)')
     p.add_argument('--profile', action='store_true',
                    help='torch.profiler table of one forward + backward of each backbone of '
                    '--families and its baselines, at the first of --resolutions')
@@ -121,13 +133,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.train and not args.steps:
         args.steps = 'train'
+    if args.train:
+        args.classifiers = True
     if args.from_csv and not args.markdown:
         p.error('--from-csv needs --markdown')
     if args.interpret_kernels and not (args.profile and args.device == 'cpu'):
         p.error('--interpret-kernels needs --profile and --device cpu (the interpreter runs '
                 'the kernels on CPU tensors; on a GPU they run for real)')
     if not (args.ops or args.backbones or args.sima_grid or args.compile or args.check
-            or args.steps or args.whole_models or args.profile or args.from_csv):
+            or args.steps or args.whole_models or args.classifiers or args.profile
+            or args.from_csv):
         args.ops = args.backbones = True
     return args
 
@@ -266,6 +281,23 @@ def main(argv=None) -> int:
         print(bm.format_table(model_rows, bm.STEP_COLUMNS))
         print('\n## Whole models: ours / softmax counterpart\n')
         print(bm.format_table(model_ratios, bm.STEP_RATIO_COLUMNS))
+
+    if args.classifiers:
+        names = args.classifier_names.split(',') if args.classifier_names else None
+        cls_rows = bm.run_classifier_benchmark(
+            batches=(2, ) if quick else bm.parse_ints(args.classifier_batches or '8,32'),
+            input_hw=(64, 64) if quick else (224, 224), device=args.device, amp=amp,
+            names=('flatten-pvt-v2-b0', ) if quick else names, warmup=warmup,
+            repeats=args.repeats or (1 if quick else 5), memory=not args.no_memory, log=log)
+        rows += cls_rows
+        cls_ratios = bm.step_ratio_rows(cls_rows, bm.classifier_pairs(),
+                                        suite='classifier_step')
+        ratios += cls_ratios
+        save_partial()
+        print('\n## ImageNet classifiers, training step (%s)\n' % args.amp)
+        print(bm.format_table(cls_rows, bm.CLASSIFIER_COLUMNS))
+        print('\n## ImageNet classifiers: ours / softmax counterpart\n')
+        print(bm.format_table(cls_ratios, bm.CLASSIFIER_RATIO_COLUMNS))
 
     profile = None
     if args.profile:

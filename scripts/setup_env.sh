@@ -12,8 +12,8 @@
 #   (scripts/mmcv_ops.py decides; FLATTEN_MM_MMCV_OPS=cpu for CPU-only machines) and cache
 #   the wheel per torch version and flavour in $FLATTEN_MM_CACHE (default
 #   ~/.cache/flatten_mm/wheels), outside the checkout, so later runs and CI reuse it.
-# * mmdet / mmseg are installed with --no-deps because their own requirement pins are
-#   ancient; their runtime needs are listed as extras of our setup.py.
+# * mmdet / mmseg / mmpretrain are installed with --no-deps because their own requirement
+#   pins are ancient; their runtime needs are listed as extras of our setup.py.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 
@@ -102,13 +102,13 @@ if ! have mmcv "$MMCV_VERSION" || [ "$INSTALLED" = none ] \
   "${PIP[@]}" install -q --force-reinstall --no-deps "$WHEEL"
 fi
 
-if ! have mmdet 3.3.0 || ! have mmsegmentation 1.2.2; then
-  log "installing mmdet 3.3.0 and mmsegmentation 1.2.2 (--no-deps)"
-  "${PIP[@]}" install -q --no-deps mmdet==3.3.0 mmsegmentation==1.2.2
+if ! have mmdet 3.3.0 || ! have mmsegmentation 1.2.2 || ! have mmpretrain 1.2.0; then
+  log "installing mmdet 3.3.0, mmsegmentation 1.2.2 and mmpretrain 1.2.0 (--no-deps)"
+  "${PIP[@]}" install -q --no-deps mmdet==3.3.0 mmsegmentation==1.2.2 mmpretrain==1.2.0
 fi
 
-log "installing flatten_mm (editable) with extras det,seg,dev,deploy (onnx, onnxruntime, onnxscript)"
-"${PIP[@]}" install -q --no-build-isolation -e "$ROOT[det,seg,dev,deploy]"
+log "installing flatten_mm (editable) with extras det,seg,cls,dev,deploy (onnx, onnxruntime, onnxscript)"
+"${PIP[@]}" install -q --no-build-isolation -e "$ROOT[det,seg,cls,dev,deploy]"
 
 # (after the extras: mmcv was installed without its dependencies, opencv and mmengine)
 # the ops run on the CPU and on a visible GPU; a CPU-only mmcv meeting a GPU stops here
@@ -116,11 +116,13 @@ log "installing flatten_mm (editable) with extras det,seg,dev,deploy (onnx, onnx
   echo "setup_env: the installed mmcv cannot serve this machine (see above)" >&2; exit 1; }
 
 "$VPY" - <<'PYEOF'
-import mmcv, mmcv.ops, mmdet, mmseg, mmengine, timm, torch
+import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, mmengine, timm, torch
+import mmpretrain.models
 import onnx, onnxruntime, onnxscript
 import flatten_mm
 print(f'torch {torch.__version__} | mmcv {mmcv.__version__} (ops ok) | mmengine {mmengine.__version__} | '
-      f'mmdet {mmdet.__version__} | mmseg {mmseg.__version__} | timm {timm.__version__} | flatten_mm {flatten_mm.__version__}')
+      f'mmdet {mmdet.__version__} | mmseg {mmseg.__version__} | mmpretrain {mmpretrain.__version__} | '
+      f'timm {timm.__version__} | flatten_mm {flatten_mm.__version__}')
 print(f'onnx {onnx.__version__} | onnxruntime {onnxruntime.__version__} | onnxscript {onnxscript.__version__}')
 PYEOF
 log "building the fused QuadTree CPU kernel (once per machine and torch version)"

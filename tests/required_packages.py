@@ -1,4 +1,4 @@
-"""In CI a missing mmdet / mmseg / mmcv / onnxruntime / triton is an error, not a skip.
+"""In CI a missing mmdet / mmseg / mmcv / mmpretrain / onnxruntime / triton is an error, not a skip.
 
 Tests reach these packages through ``pytest.importorskip``, so that a user's partial
 install (mmdet without mmseg, no deploy extra...) skips what it cannot run, with the
@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-REQUIRED_IN_CI = ('mmdet', 'mmseg', 'mmcv', 'onnxruntime', 'triton')
+REQUIRED_IN_CI = ('mmdet', 'mmseg', 'mmcv', 'mmpretrain', 'onnxruntime', 'triton')
 #: the reason ``pytest.importorskip`` gives when the import fails
 _IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")
 

@@ -31,6 +31,32 @@ def test_fixture_parity(path):
     assert report.passed, report.format()
     for s in report.stages:
         assert s.tolerance == pytest.approx(REL_TOL * max(1., s.max_abs_ref))
+    # a classification fixture is also checked through the converted official classifier
+    # (mmpretrain ImageClassifier of flatten_mm.models.classification)
+    names = [s.name for s in report.stages]
+    if fx.get('logits') is not None:
+        assert names[-2:] == ['features', 'logits'], names
+    else:
+        assert 'logits' not in names
+
+
+@requires_shared()
+@pytest.mark.parametrize('fixture,key', [
+    ('flatten_swin_small.pt', 'norm.weight'),          # -> the output norm norm3
+    ('sima_xcit_small.pt', 'cls_attn_blocks.1.gamma2'),  # -> the class-attention neck
+    ('flatten_pvt_v2_small.pt', 'head.bias'),          # -> LinearClsHead
+])
+def test_parity_detects_a_wrong_classifier_part(fixture, key):
+    """The classification parts after the trunk are compared too: a 5 % change of one of
+    them leaves every stage output passing and fails the logits."""
+    fx = torch.load(osp.join(osp.dirname(FIXTURES[0]), fixture), map_location='cpu',
+                    weights_only=True)
+    fx['state_dict'] = dict(fx['state_dict'])
+    fx['state_dict'][key] = fx['state_dict'][key] * 1.05 + 0.05
+    report = run_parity(fx)
+    by_name = {s.name: s for s in report.stages}
+    assert all(s.passed for n, s in by_name.items() if n.startswith('stage_outputs'))
+    assert not by_name['logits'].passed
 
 
 @requires_shared()

@@ -9,7 +9,10 @@ from mmengine.registry import DefaultScope
 import flatten_mm.models  # noqa: F401
 from flatten_mm.registry import MODELS
 
-BACKBONES = sorted(MODELS.module_dict)
+# the backbones (the scope also holds the classification neck of SimA, tested with the
+# classifiers: tests/test_pretrain_configs.py)
+BACKBONES = sorted(n for n, cls in MODELS.module_dict.items()
+                   if cls.__module__.startswith('flatten_mm.models.backbones.'))
 SCOPES = ['mmdet', 'mmseg']
 
 

@@ -6,7 +6,10 @@
                                        [--family F] [--force] [--trust-checkpoint]
 
 ImageNet (backbone) checkpoints: the output is ``{'state_dict': ..., 'meta': ...}``,
-loadable by ``init_cfg=dict(type='Pretrained', checkpoint=DST)``. With ``--arch`` the
+loadable by ``init_cfg=dict(type='Pretrained', checkpoint=DST)``. With ``--target
+classifier`` the whole official classifier converts instead (backbone, the parts after
+it, and the head) to the mmpretrain classifier of ``configs/mmpretrain`` (``mim test
+mmpretrain CONFIG --checkpoint DST`` evaluates it). With ``--arch`` the
 converted keys and shapes are checked against that backbone variant before anything is
 written. Dropped keys (classification head, cls-token parts, buffers recomputed at run
 time) are listed.
@@ -29,7 +32,9 @@ from mmengine.config import DictAction
 
 from flatten_mm.checkpoints.converters import CONVERTERS
 from flatten_mm.checkpoints import CheckpointError, load_foreign_checkpoint, save_checkpoint_file
-from flatten_mm.checkpoints.convert import ConversionError, convert_checkpoint
+from flatten_mm.checkpoints.convert import (TARGETS, ConversionError, convert_checkpoint,
+                                            convert_classifier_checkpoint)
+from flatten_mm.models.classification import classifier_state_dict
 from flatten_mm.apis.whole_model import (checkpoint_is_whole_model, convert_whole_checkpoint,
                                           summarize_dropped)
 
@@ -42,6 +47,9 @@ def parse_args(argv=None):
                         help='(backbone) checkpoint family (detected from the keys when omitted)')
     parser.add_argument('--arch', help='target variant (e.g. b0, tiny); enables the key check')
     parser.add_argument('--ema', action='store_true', help='convert the EMA weights')
+    parser.add_argument('--target', choices=TARGETS, default='backbone',
+                        help='ImageNet checkpoints: the dense backbone (default; for init_cfg) '
+                        'or the whole classifier (for the configs/mmpretrain configs)')
     parser.add_argument('--config', help='mmdet 3.x / mmseg 1.x config a whole detector / '
                         'segmentor checkpoint is converted for (keys checked against its model)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
@@ -58,7 +66,8 @@ def parse_args(argv=None):
 
 
 def convert_file(src, dst, family=None, arch=None, ema=False, config=None, cfg_options=None,
-                 whole_model=False, backbone_only=False, force=False, trust=False):
+                 whole_model=False, backbone_only=False, force=False, trust=False,
+                 target='backbone'):
     """Convert ``src`` into ``dst`` (see the module doc); returns the report lines.
 
     Raises:
@@ -96,15 +105,20 @@ def convert_file(src, dst, family=None, arch=None, ema=False, config=None, cfg_o
     if config is not None and not whole:
         raise ConversionError(f'--config is for whole detector / segmentor checkpoints; {src} '
                               'holds only a backbone (convert it with --arch)')
-    state_dict, dropped, family = convert_checkpoint(ckpt, family, arch, ema)
+    if target == 'classifier':
+        state_dict, dropped, family = convert_classifier_checkpoint(
+            ckpt, family, arch, ema, expected=classifier_state_dict)
+    else:
+        state_dict, dropped, family = convert_checkpoint(ckpt, family, arch, ema)
     save_checkpoint_file(
         dict(state_dict=state_dict,
-             meta=dict(source=src, family=family, arch=arch, ema=ema)),
+             meta=dict(source=src, family=family, arch=arch, ema=ema, target=target)),
         dst, force=force)
     groups = Counter(k.split('.')[0] for k in dropped)
-    lines = [f'converted {len(state_dict)} tensors ({family}) -> {dst}']
+    what = 'the mmpretrain classifier' if target == 'classifier' else 'the dense backbone'
+    lines = [f'converted {len(state_dict)} tensors ({family}, {target}) -> {dst}']
     if dropped:
-        lines.append(f'dropped {len(dropped)} keys not used by the dense backbone: '
+        lines.append(f'dropped {len(dropped)} keys not used by {what}: '
                      + ', '.join(f'{g}.* ({n})' for g, n in sorted(groups.items())))
     return lines
 
@@ -114,7 +128,7 @@ def main(argv=None) -> int:
     try:
         lines = convert_file(args.src, args.dst, args.family, args.arch, args.ema, args.config,
                              args.cfg_options, args.whole_model, args.backbone_only, args.force,
-                             args.trust_checkpoint)
+                             args.trust_checkpoint, args.target)
     except (FileNotFoundError, FileExistsError, CheckpointError, ConversionError, KeyError) as err:
         print(f'error: {err}', file=sys.stderr)
         return 2

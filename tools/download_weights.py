@@ -3,6 +3,7 @@
     python tools/download_weights.py --list
     python tools/download_weights.py NAME [NAME ...] [--dir DIR] [--force]
     python tools/download_weights.py NAME --from-file PATH [--dir DIR]
+    python tools/download_weights.py NAME --target classifier [--dir DIR]
 
 NAME is a backbone with official ImageNet weights (``flatten-swin-t``,
 ``quadtree-b-pvt-v2-b0``, ...) or one of the 15 QuadTree detection / segmentation models,
@@ -18,6 +19,9 @@ SHA-256 of the official file is checked against the one published, else the one 
 at its first download (``official/SHA256SUMS.json``). ``--from-file`` converts a file you
 downloaded yourself (e.g. from the Google Drive mirrors); putting it at
 ``official/NAME.pth`` of the cache does the same for ``flatten_mm://``.
+``--target classifier`` converts ImageNet weights to the whole mmpretrain classifier
+(``NAME_in1k-classifier.pth``: backbone, the parts after it and the head), which the
+``configs/mmpretrain`` config of the variant evaluates.
 """
 import argparse
 import os.path as osp
@@ -78,6 +82,9 @@ def main(argv=None) -> int:
                         help='download and convert again, overwriting the converted file')
     parser.add_argument('--trust-checkpoint', action='store_true',
                         help='allow full unpickling of the official file')
+    parser.add_argument('--target', choices=('backbone', 'classifier'), default='backbone',
+                        help='ImageNet weights as the dense backbone (default) or as the '
+                        'whole classifier of configs/mmpretrain')
     args = parser.parse_args(argv)
     if args.list:
         print(format_list())
@@ -90,7 +97,7 @@ def main(argv=None) -> int:
     for name in args.names:
         try:
             weights = zoo.get_official_weights(name)
-            dst = hub.converted_path(weights, args.dir)
+            dst = hub.converted_path(weights, args.dir, args.target)
             if osp.exists(dst) and not args.force:
                 print(f'{dst} exists (pass --force to redo it)')
                 continue
@@ -98,11 +105,14 @@ def main(argv=None) -> int:
                 raise FileNotFoundError(f'--from-file {args.from_file} not found')
             dst = hub.prepare(name, args.dir, force=args.force, trust=args.trust_checkpoint,
                               official_file=args.from_file,
-                              log=lambda msg: print(msg, file=sys.stderr))
+                              log=lambda msg: print(msg, file=sys.stderr), target=args.target)
             if weights.is_whole_model:
                 check_whole_model(weights, dst)
                 print(f'wrote {dst}; evaluate it: python tools/test.py {weights.config} '
                       + (weights.uri if args.dir is None else dst))
+            elif args.target == 'classifier':
+                print(f'wrote {dst}; evaluate it: mim test mmpretrain '
+                      f'{zoo.pretraining_config(weights.name)} --checkpoint {dst}')
             else:
                 print(f'wrote {dst}; configs load it as {weights.uri}'
                       if args.dir is None else f'wrote {dst}')

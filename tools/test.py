@@ -1,10 +1,12 @@
-"""Evaluate a checkpoint of a detector or segmentor (mmdet / mmseg config).
+"""Evaluate a checkpoint of a detector, segmentor or classifier (mmdet / mmseg / mmpretrain
+config).
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--show-dir DIR]
                          [--cfg-options k=v ...] [--launcher ...]
 
 ``--show-dir`` saves every test image with the predictions drawn (boxes and masks for
-mmdet, the class map for mmseg) through the library's own visualization hook.
+mmdet, the class map for mmseg, the predicted class for mmpretrain) through the library's
+own visualization hook.
 """
 import argparse
 import os
@@ -37,11 +39,18 @@ def parse_args(argv=None):
 
 
 def enable_visualization(cfg: Config, args) -> None:
-    """Turn on the mmdet / mmseg visualization hook to paint predictions."""
+    """Turn on the mmdet / mmseg / mmpretrain visualization hook to paint predictions."""
     hook = cfg.default_hooks.get('visualization', None)
     if hook is None:
         raise SystemExit('--show/--show-dir need `default_hooks.visualization` in the config '
-                         '(DetVisualizationHook or SegVisualizationHook)')
+                         '(DetVisualizationHook, SegVisualizationHook or VisualizationHook)')
+    if cfg.get('default_scope') == 'mmpretrain':  # mmpretrain's VisualizationHook
+        hook.update(enable=True, interval=1)
+        if args.show:
+            hook.update(show=True, wait_time=args.wait_time)
+        if args.show_dir:
+            hook['out_dir'] = osp.abspath(args.show_dir)
+        return
     hook['draw'] = True
     if args.show:
         hook['show'] = True

@@ -1,9 +1,11 @@
-"""Train a detector or segmentor from an mmdet / mmseg config with the mmengine Runner.
+"""Train a detector, segmentor or classifier from an mmdet / mmseg / mmpretrain config.
 
     python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--amp]
                           [--cfg-options k=v ...] [--launcher {none,pytorch,slurm,mpi}]
 
-Works for mmdet 3.x and mmseg 1.x configs (the config's ``default_scope`` decides).
+Works for mmdet 3.x, mmseg 1.x and mmpretrain 1.x configs (the config's ``default_scope``
+decides); on a machine without CUDA, ``--launcher pytorch`` runs on gloo
+(``flatten_mm.compat.setup_cpu_distributed``), which the libraries' own tools cannot.
 Multi-GPU / multi-node: ``tools/dist_train.sh`` (torchrun) or ``tools/slurm_train.sh``.
 """
 import argparse
@@ -15,7 +17,7 @@ from mmengine.config import Config, DictAction
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Train a detector / segmentor')
+    parser = argparse.ArgumentParser(description='Train a detector / segmentor / classifier')
     parser.add_argument('config', help='train config file path')
     parser.add_argument('--work-dir', help='the dir to save logs and checkpoints')
     parser.add_argument(

@@ -12,7 +12,8 @@ Suites, all measured the same way (``timing``):
   counterpart from timm and (if installed) mmdet, at several input resolutions,
   inference;
 * **training step** (``train``) -- forward + backward + AdamW step of the same backbones
-  (and of whole detectors / segmentors built from configs), optionally under bf16
+  (and of whole detectors / segmentors and ImageNet classifiers built from configs: what
+  fine-tuning and pretraining cost), optionally under bf16
   autocast and ``torch.compile``, with the peak memory of a step;
 * **profile** (``profiling``) -- one forward + backward under ``torch.profiler``: top
   kernels by self time, launches per forward / backward and per block, bytes moved
@@ -48,24 +49,28 @@ from .compilation import compile_report
 from .ops import (OPS, QUADRATIC_OPS, make_op, op_exponents, quadtree_levels,
                   relu_linear_attention, run_op_benchmark, run_sima_order_grid)
 from .output import (BACKBONE_COLUMNS, CSV_COLUMNS, OP_COLUMNS, RATIO_COLUMNS, SIMA_COLUMNS,
-                     STEP_COLUMNS, STEP_RATIO_COLUMNS, format_table, markdown_ratio_table,
+                     STEP_COLUMNS, STEP_RATIO_COLUMNS, CLASSIFIER_COLUMNS,
+                     CLASSIFIER_RATIO_COLUMNS, format_table, markdown_ratio_table,
                      read_csv, write_csv)
 from .plots import plot_scale, plot_scaling
 from .profiling import KERNEL_COLUMNS, PROFILE_COLUMNS, profile_backbone, run_profile
 from .syncs import backbone_host_syncs, host_syncs, training_step_syncs
 from .timing import Timing, fit_exponent, measure_alternating, peak_memory_bytes
-from .train import (EXECS, STEPS, TRAIN_RESOLUTIONS, WHOLE_MODEL_PAIRS, backbone_step,
-                    output_loss, run_step_benchmark, run_whole_model_benchmark,
+from .train import (CLASSIFIER_BATCHES, CLASSIFIER_PAIRS, EXECS, STEPS, TRAIN_RESOLUTIONS,
+                    WHOLE_MODEL_PAIRS, backbone_step, classifier_pairs, output_loss,
+                    run_classifier_benchmark, run_step_benchmark, run_whole_model_benchmark,
                     step_ratio_rows, whole_model_pairs)
 
 __all__ = [
     'BACKBONE_COLUMNS', 'BACKBONE_PAIRS', 'CSV_COLUMNS', 'EXECS', 'KERNEL_COLUMNS', 'OPS',
     'OP_COLUMNS', 'PROFILE_COLUMNS', 'QUADRATIC_OPS', 'RATIO_COLUMNS', 'RESOLUTIONS',
-    'SIMA_COLUMNS', 'STEPS', 'STEP_COLUMNS', 'STEP_RATIO_COLUMNS', 'TRAIN_RESOLUTIONS',
+    'SIMA_COLUMNS', 'STEPS', 'STEP_COLUMNS', 'STEP_RATIO_COLUMNS', 'CLASSIFIER_COLUMNS',
+    'CLASSIFIER_RATIO_COLUMNS', 'TRAIN_RESOLUTIONS',
     'WHOLE_MODEL_PAIRS', 'BackboneCase', 'Timing', 'backbone_step', 'markdown_ratio_table',
     'output_loss', 'parse_ints', 'parse_resolutions', 'profile_backbone', 'run_profile', 'backbone_host_syncs', 'host_syncs',
     'training_step_syncs', 'run_step_benchmark', 'run_whole_model_benchmark',
-    'step_ratio_rows', 'whole_model_pairs',
+    'step_ratio_rows', 'whole_model_pairs', 'CLASSIFIER_BATCHES', 'CLASSIFIER_PAIRS',
+    'classifier_pairs', 'run_classifier_benchmark',
     'backbone_cases', 'plot_scale', 'compile_report', 'environment', 'fit_exponent',
     'format_table', 'make_op', 'measure_alternating', 'op_exponents', 'peak_memory_bytes',
     'plot_scaling', 'quick_pairs', 'quadtree_levels', 'ratio_rows', 'read_csv',

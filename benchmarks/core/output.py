@@ -92,6 +92,16 @@ STEP_COLUMNS = (('name', 'model'), ('step', 'step'), ('exec', 'exec'), ('amp', '
                 ('height', 'H'), ('width', 'W'), ('median_ms', 'median ms'),
                 ('min_ms', 'min ms'), ('images_per_s', 'img/s'), ('peak_mem_mb', 'peak MiB'),
                 ('note', 'note'))
+#: the classifier suite: one group per batch at one size
+CLASSIFIER_COLUMNS = (('name', 'model'), ('batch', 'batch'), ('amp', 'amp'),
+                      ('height', 'H'), ('width', 'W'), ('median_ms', 'median ms'),
+                      ('min_ms', 'min ms'), ('images_per_s', 'img/s'),
+                      ('peak_mem_mb', 'peak MiB'), ('note', 'note'))
+CLASSIFIER_RATIO_COLUMNS = (('ours', 'ours'), ('baseline', 'baseline'), ('batch', 'batch'),
+                            ('amp', 'amp'), ('ours_ms', 'ours ms'),
+                            ('baseline_ms', 'baseline ms'), ('ratio_median', 'ratio (medians)'),
+                            ('ratio_rounds', 'ratio (per round)'), ('ours_mem_mb', 'ours MiB'),
+                            ('baseline_mem_mb', 'baseline MiB'), ('mem_ratio', 'memory ratio'))
 STEP_RATIO_COLUMNS = (('ours', 'ours'), ('baseline', 'baseline'), ('step', 'step'),
                       ('exec', 'exec'), ('amp', 'amp'), ('height', 'H'), ('width', 'W'),
                       ('ours_ms', 'ours ms'), ('baseline_ms', 'baseline ms'),

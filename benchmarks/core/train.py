@@ -432,3 +432,139 @@ def whole_model_pairs(quick: bool = False) -> Dict[str, Tuple[str, ...]]:
     if quick:
         return {QUICK_WHOLE_MODEL: ('mask-rcnn pvt-v2-tiny (mmdet)', )}
     return {k: tuple(v[1]) for k, v in WHOLE_MODEL_PAIRS.items()}
+
+
+# --------------------------------------------------------------------------- classifiers
+#: ImageNet classifiers (pretraining cost): ours (configs/mmpretrain) -> {baseline: config}.
+#: The softmax counterparts are mmpretrain's own Swin-T and XCiT-S12/16 configs, and for
+#: the PVTv2-based models the plain PVTv2-b0 classifier of configs/mmpretrain (softmax
+#: spatial-reduction attention in the same skeleton; mmpretrain has no PVTv2)
+CLASSIFIER_PAIRS: Dict[str, Tuple[str, Dict[str, str]]] = {
+    'flatten-pvt-v2-b0': (
+        'configs/mmpretrain/flatten_pvt_v2/flatten-pvt-v2-b0_8xb128_in1k.py',
+        {'pvt-v2-b0': 'configs/mmpretrain/pvt_v2/pvt-v2-b0_8xb128_in1k.py'}),
+    'quadtree-b-pvt-v2-b0': (
+        'configs/mmpretrain/quadtree_pvt_v2/quadtree-b-pvt-v2-b0_8xb128_in1k.py',
+        {'pvt-v2-b0': 'configs/mmpretrain/pvt_v2/pvt-v2-b0_8xb128_in1k.py'}),
+    'flatten-swin-t': (
+        'configs/mmpretrain/flatten_swin/flatten-swin-t_8xb128_in1k.py',
+        {'swin-t (mmpretrain)': 'mmpretrain::swin_transformer/swin-tiny_16xb64_in1k.py'}),
+    'sima-xcit-s12-p16': (
+        'configs/mmpretrain/sima_xcit/sima-xcit-s12-p16_8xb128_in1k.py',
+        {'xcit-s12-p16 (mmpretrain)': 'mmpretrain::xcit/xcit-small-12-p16_8xb128_in1k.py'}),
+}
+#: default batches of the classifier suite at 224x224 (per-GPU batches of the recipes are
+#: 64-256; these fit a CPU or one GPU and show how the cost grows with the batch)
+CLASSIFIER_BATCHES = (8, 32)
+
+
+def _load_config(path: str):
+    from mmengine.config import Config
+    if '::' in path:  # a config shipped inside a package (mmpretrain::...)
+        return Config.fromfile(path)
+    return Config.fromfile(os.path.join(_root(), path))
+
+
+def classifier_step(cfg, input_hw: Tuple[int, int], batch: int, device: torch.device,
+                    amp: Optional[torch.dtype] = None, seed: int = 0
+                    ) -> Tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """Build the mmpretrain classifier of ``cfg`` (drop path off, SyncBN as BatchNorm) and
+    a callable doing one training step -- ``model(mode='loss')`` on a random batch with
+    random labels, backward, AdamW step, ``zero_grad`` -- as mmpretrain's training loop
+    runs it (without Mixup / CutMix, which act on the data before the model).
+
+    Returns:
+        ``(model, step)``; ``step()`` returns the loss (detached).
+    """
+    from mmengine.model import revert_sync_batchnorm
+    from mmpretrain.structures import DataSample
+
+    from flatten_mm.models.classification import build_classifier
+    model_cfg = copy.deepcopy(cfg.model)
+    model_cfg.backbone.drop_path_rate = 0.
+    model_cfg.pop('train_cfg', None)  # batch augments belong to the data preprocessor
+    torch.manual_seed(seed)
+    model = revert_sync_batchnorm(build_classifier(model_cfg)).to(device).train()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, *input_hw, generator=g).to(device)
+    num_classes = model_cfg.head.num_classes
+    labels = torch.randint(num_classes, (batch, ), generator=g).tolist()
+    samples = [DataSample().set_gt_label(i) for i in labels]
+    opt = make_optimizer(model)
+
+    def train():
+        with _autocast(device, amp):
+            losses = model(x, samples, mode='loss')
+        loss, _ = model.parse_losses(losses)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return model, train
+
+
+def run_classifier_benchmark(batches: Sequence[int] = CLASSIFIER_BATCHES,
+                             input_hw: Tuple[int, int] = (224, 224),
+                             device: str = 'cpu',
+                             amp: Optional[torch.dtype] = None,
+                             names: Optional[Sequence[str]] = None,
+                             warmup: int = 2,
+                             repeats: int = 5,
+                             memory: bool = True,
+                             log: Optional[Callable[[str], None]] = None
+                             ) -> List[Dict[str, Any]]:
+    """Training steps of the ImageNet classifiers (what pretraining costs), ours against
+    the softmax counterpart, alternating in one process (suite ``'classifier_step'``).
+
+    Args:
+        batches: images per step (one group per batch).
+        input_hw: image size (ImageNet training: 224x224).
+        device, amp, warmup, repeats, memory, log: as ``run_step_benchmark``.
+        names: subset of ``CLASSIFIER_PAIRS`` (default all).
+
+    Returns:
+        Rows like ``run_step_benchmark``'s (``step='train'``, ``exec='eager'``).
+    """
+    device_ = torch.device(device)
+    amp_name = amp_label(amp)
+    pairs = dict(CLASSIFIER_PAIRS)
+    if names:
+        unknown = [n for n in names if n not in pairs]
+        if unknown:
+            raise ValueError(f'unknown classifiers {unknown}; available: {list(pairs)}')
+        pairs = {n: pairs[n] for n in names}
+    rows: List[Dict[str, Any]] = []
+    for ours, (path, baselines) in pairs.items():
+        members = dict({ours: path}, **baselines)
+        for batch in batches:
+            cases, errors = {}, {}
+            for name, cfg_path in members.items():
+                try:
+                    _, fn = classifier_step(_load_config(cfg_path), input_hw, batch, device_,
+                                            amp)
+                    fn()  # first step: builds AdamW state, reports errors here
+                    cases[name] = fn
+                except Exception as err:  # noqa: BLE001 - reported in the table
+                    errors[name] = f'error: {type(err).__name__}: {str(err)[:200]}'
+            if log is not None:
+                log(f'classifier train {input_hw[0]}x{input_hw[1]} batch {batch} {amp_name}: '
+                    f'{", ".join(cases)}')
+            timings = measure_alternating(cases, device_, max(0, warmup - 1), repeats,
+                                          grad=True)
+            for name in members:
+                extra = dict(height=input_hw[0], width=input_hw[1],
+                             tokens=input_hw[0] * input_hw[1],
+                             group=f'{ours}@b{batch}/train/eager', step='train',
+                             exec='eager', amp=amp_name, kernels=kernels_setting(),
+                             source='config')
+                rows.append(_measured_row('classifier_step', name, name, cases, timings,
+                                          errors, device_, batch, memory, True, extra))
+            del cases
+            if device_.type == 'cuda':
+                torch.cuda.empty_cache()
+    return rows
+
+
+def classifier_pairs() -> Dict[str, Tuple[str, ...]]:
+    """``ours -> baselines`` names of the classifier suite (for ``step_ratio_rows``)."""
+    return {k: tuple(v[1]) for k, v in CLASSIFIER_PAIRS.items()}

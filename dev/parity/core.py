@@ -5,7 +5,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from flatten_mm.checkpoints.converters import key_mismatch_report
+from flatten_mm.checkpoints.converters import convert_classifier, key_mismatch_report
+from flatten_mm.registry import MODELS
 
 #: default tolerance: max abs difference <= REL_TOL * max(1, max |reference|) per output.
 #: Relative to the reference's magnitude because float32 rounding grows with it; floored
@@ -81,9 +82,22 @@ class FixtureAdapter:
     def matches(self, fx: Mapping[str, Any]) -> bool:
         raise NotImplementedError
 
+    def backbone_cfg(self, fx: Mapping[str, Any]) -> dict:
+        """Config of the flatten_mm backbone equivalent to ``fx['official_ctor']``."""
+        raise NotImplementedError
+
     def build(self, fx: Mapping[str, Any]) -> nn.Module:
         """The flatten_mm backbone equivalent to ``fx['official_ctor']``."""
-        raise NotImplementedError
+        return MODELS.build(self.backbone_cfg(fx))
+
+    def classifier_args(self, fx: Mapping[str, Any]) -> dict:
+        """Arguments of ``classifier_cfg`` besides the backbone read from the official
+        constructor (SimA: ``tokens_norm``)."""
+        return {}
+
+    def family(self, fx: Mapping[str, Any]) -> str:
+        """The converter family of the fixture's official state dict."""
+        return self.name
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         """The fixture's official state dict converted to flatten_mm keys."""
@@ -176,5 +190,44 @@ def run_parity(fx: Mapping[str, Any], name: Optional[str] = None, rel_tol: float
         with torch.no_grad():
             outputs = adapter.stage_outputs(model, x)
     outputs = [o.detach() for o in outputs]
-    return ParityReport(name or fx.get('name', '?'), adapter.name,
-                        adapter.compare(fx, outputs, rel_tol))
+    results = adapter.compare(fx, outputs, rel_tol)
+    if fx.get('logits') is not None:
+        results += compare_classifier(adapter, fx, rel_tol, autograd)
+    return ParityReport(name or fx.get('name', '?'), adapter.name, results)
+
+
+def build_classifier(adapter: FixtureAdapter, fx: Mapping[str, Any]) -> nn.Module:
+    """The mmpretrain ``ImageClassifier`` of the fixture's official classifier
+    (``flatten_mm.models.classification.classifier_cfg``) with the official state dict
+    converted by ``convert_classifier`` and loaded strictly: every parameter of the
+    classifier comes from the official file."""
+    from flatten_mm.models.classification import build_classifier as build, classifier_cfg
+    cfg = classifier_cfg(adapter.backbone_cfg(fx), num_classes=fx['logits'].shape[1],
+                         **adapter.classifier_args(fx))
+    torch.manual_seed(0)
+    model = build(cfg)
+    state_dict, _ = convert_classifier(fx['state_dict'], adapter.family(fx))
+    problem = key_mismatch_report(state_dict, model.state_dict())
+    if problem:
+        raise KeyError(f'{adapter.name}: converted classifier does not fit the mmpretrain '
+                       f'classifier:\n{problem}')
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval()
+
+
+def compare_classifier(adapter: FixtureAdapter, fx: Mapping[str, Any], rel_tol: float = REL_TOL,
+                       autograd: bool = False) -> List[StageResult]:
+    """``features`` (the head's input) and ``logits`` of the converted official
+    classifier against the fixture."""
+    model = build_classifier(adapter, fx)
+    x = fx['input'].float()
+    with torch.set_grad_enabled(autograd):
+        if autograd:
+            x = x.clone().requires_grad_(True)
+        features = model.head.pre_logits(model.extract_feat(x))
+        logits = model.head.fc(features)
+    results = []
+    if fx.get('features') is not None:
+        results.append(compare_tensors('features', features.detach(), fx['features'], rel_tol))
+    results.append(compare_tensors('logits', logits.detach(), fx['logits'], rel_tol))
+    return results

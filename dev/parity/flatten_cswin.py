@@ -62,7 +62,7 @@ class FLattenCSWinAdapter(FixtureAdapter):
         ctor = fx.get('official_ctor', {})
         return ctor.get('module') == 'models/flatten_cswin.py'
 
-    def build(self, fx: Mapping[str, Any]) -> nn.Module:
+    def backbone_cfg(self, fx: Mapping[str, Any]) -> dict:
         kw = fx['official_ctor']['kwargs']
         if kw.get('patch_size', 4) != 4:
             raise NotImplementedError('FLattenCSWin has a fixed stem stride of 4')
@@ -72,11 +72,11 @@ class FLattenCSWinAdapter(FixtureAdapter):
             raise NotImplementedError(f"norm_layer {kw['norm_layer']!r}")
         arch = dict(embed_dims=kw['embed_dim'], depths=tuple(kw['depth']),
                     num_heads=tuple(kw['num_heads']))
-        return FLattenCSWin(arch=arch, in_channels=kw.get('in_chans', 3),
-                            attn_cfg=official_cswin_attn_cfgs(kw),
-                            pretrain_img_size=kw.get('img_size', 224),
-                            mlp_ratio=kw.get('mlp_ratio', 4.), qkv_bias=kw.get('qkv_bias', True),
-                            drop_path_rate=kw.get('drop_path_rate', 0.))
+        return dict(type=FLattenCSWin, arch=arch, in_channels=kw.get('in_chans', 3),
+                    attn_cfg=official_cswin_attn_cfgs(kw),
+                    pretrain_img_size=kw.get('img_size', 224),
+                    mlp_ratio=kw.get('mlp_ratio', 4.), qkv_bias=kw.get('qkv_bias', True),
+                    drop_path_rate=kw.get('drop_path_rate', 0.))
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         converted, _ = CONVERTERS['flatten_cswin'](fx['state_dict'])

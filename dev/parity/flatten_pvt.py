@@ -48,7 +48,7 @@ class FLattenPVTAdapter(FixtureAdapter):
     def matches(self, fx: Mapping[str, Any]) -> bool:
         return fx.get('official_ctor', {}).get('module') in self._modules
 
-    def build(self, fx: Mapping[str, Any]) -> nn.Module:
+    def backbone_cfg(self, fx: Mapping[str, Any]) -> dict:
         kw = fx['official_ctor']['kwargs']
         check_norm_layer(kw)
         if kw.get('patch_size', 4) != 4:
@@ -57,12 +57,15 @@ class FLattenPVTAdapter(FixtureAdapter):
         arch = dict(embed_dims=tuple(kw['embed_dims']), depths=tuple(kw['depths']),
                     num_heads=tuple(kw['num_heads']), mlp_ratios=tuple(kw['mlp_ratios']))
         extra = {'linear': kw['linear']} if 'linear' in kw else {}
-        return cls(arch=arch, attn_cfg=official_pvt_attn_cfgs(kw),
-                   pretrain_img_size=kw.get('img_size', 224), qkv_bias=kw.get('qkv_bias', True),
-                   drop_path_rate=kw.get('drop_path_rate', 0.), **extra)
+        return dict(type=cls, arch=arch, attn_cfg=official_pvt_attn_cfgs(kw),
+                    pretrain_img_size=kw.get('img_size', 224), qkv_bias=kw.get('qkv_bias', True),
+                    drop_path_rate=kw.get('drop_path_rate', 0.), **extra)
+
+    def family(self, fx: Mapping[str, Any]) -> str:
+        return self._modules[fx['official_ctor']['module']][1]
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
-        _, family = self._modules[fx['official_ctor']['module']]
+        family = self.family(fx)
         converted, _ = CONVERTERS[family](fx['state_dict'])
         return converted
 

@@ -61,7 +61,7 @@ class FLattenSwinAdapter(FixtureAdapter):
         ctor = fx.get('official_ctor', {})
         return ctor.get('module') == 'models/flatten_swin.py'
 
-    def build(self, fx: Mapping[str, Any]) -> nn.Module:
+    def backbone_cfg(self, fx: Mapping[str, Any]) -> dict:
         kw = fx['official_ctor']['kwargs']
         if kw.get('patch_size', 4) != 4:
             raise NotImplementedError('FLattenSwin has a fixed patch size of 4')
@@ -75,11 +75,11 @@ class FLattenSwinAdapter(FixtureAdapter):
             raise NotImplementedError(f"norm_layer {kw['norm_layer']!r}")
         arch = dict(embed_dims=kw['embed_dim'], depths=tuple(kw['depths']),
                     num_heads=tuple(kw['num_heads']))
-        return FLattenSwin(arch=arch, in_channels=kw.get('in_chans', 3),
-                           attn_cfg=official_swin_attn_cfgs(kw),
-                           pretrain_img_size=kw.get('img_size', 224),
-                           mlp_ratio=kw.get('mlp_ratio', 4.), qkv_bias=kw.get('qkv_bias', True),
-                           drop_path_rate=kw.get('drop_path_rate', 0.))
+        return dict(type=FLattenSwin, arch=arch, in_channels=kw.get('in_chans', 3),
+                    attn_cfg=official_swin_attn_cfgs(kw),
+                    pretrain_img_size=kw.get('img_size', 224),
+                    mlp_ratio=kw.get('mlp_ratio', 4.), qkv_bias=kw.get('qkv_bias', True),
+                    drop_path_rate=kw.get('drop_path_rate', 0.))
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         converted, _ = CONVERTERS['flatten_swin'](fx['state_dict'])

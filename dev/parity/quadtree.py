@@ -213,7 +213,7 @@ class QuadTreeAdapter(FixtureAdapter):
     def matches(self, fx: Mapping[str, Any]) -> bool:
         return fx.get('official_ctor', {}).get('module') in _MODULES
 
-    def build(self, fx: Mapping[str, Any]) -> nn.Module:
+    def backbone_cfg(self, fx: Mapping[str, Any]) -> dict:
         ctor = fx['official_ctor']
         kw = ctor['kwargs']
         check_norm_layer(kw)
@@ -224,12 +224,12 @@ class QuadTreeAdapter(FixtureAdapter):
                                       'supported')
         arch = dict(embed_dims=tuple(kw['embed_dims']), depths=tuple(kw['depths']),
                     num_heads=tuple(kw['num_heads']), mlp_ratios=tuple(kw['mlp_ratios']))
-        return QuadTreePVTv2(arch=arch,
-                             attn_cfg=official_quadtree_attn_cfgs(ctor['module'], kw),
-                             qkv_bias=kw.get('qkv_bias', True),
-                             drop_rate=kw.get('drop_rate', 0.),
-                             attn_drop_rate=kw.get('attn_drop_rate', 0.),
-                             drop_path_rate=kw.get('drop_path_rate', 0.))
+        return dict(type=QuadTreePVTv2, arch=arch,
+                    attn_cfg=official_quadtree_attn_cfgs(ctor['module'], kw),
+                    qkv_bias=kw.get('qkv_bias', True),
+                    drop_rate=kw.get('drop_rate', 0.),
+                    attn_drop_rate=kw.get('attn_drop_rate', 0.),
+                    drop_path_rate=kw.get('drop_path_rate', 0.))
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         converted, _ = CONVERTERS['quadtree'](fx['state_dict'])

@@ -28,7 +28,7 @@ class SimAXCiTAdapter(FixtureAdapter):
         ctor = fx.get('official_ctor', {})
         return ctor.get('module') == 'sima.py' or ctor.get('cls') == 'SimAVisionTransformer'
 
-    def build(self, fx: Mapping[str, Any]) -> nn.Module:
+    def backbone_cfg(self, fx: Mapping[str, Any]) -> dict:
         kw = fx['official_ctor']['kwargs']
         norm = kw.get('norm_layer', 'functools.partial(torch.nn.LayerNorm, eps=1e-06)')
         if 'eps=1e-06' not in str(norm):
@@ -41,14 +41,21 @@ class SimAXCiTAdapter(FixtureAdapter):
         # stage_outputs come from forward_blocks (every block); block_indices only have
         # to be valid for any depth
         depth = arch['depth']
-        return SimAXCiT(arch=arch, patch_size=kw.get('patch_size', 16),
-                        in_channels=kw.get('in_chans', 3), mlp_ratio=kw.get('mlp_ratio', 4.),
-                        qkv_bias=kw.get('qkv_bias', True), drop_rate=kw.get('drop_rate', 0.),
-                        attn_drop_rate=kw.get('attn_drop_rate', 0.),
-                        drop_path_rate=kw.get('drop_path_rate', 0.),
-                        layer_scale_init_value=kw.get('eta', 1.0),
-                        use_pos_embed=kw.get('use_pos', True),
-                        block_indices=(depth - 1, ) * 4)
+        return dict(type=SimAXCiT, arch=arch, patch_size=kw.get('patch_size', 16),
+                    in_channels=kw.get('in_chans', 3), mlp_ratio=kw.get('mlp_ratio', 4.),
+                    qkv_bias=kw.get('qkv_bias', True), drop_rate=kw.get('drop_rate', 0.),
+                    attn_drop_rate=kw.get('attn_drop_rate', 0.),
+                    drop_path_rate=kw.get('drop_path_rate', 0.),
+                    layer_scale_init_value=kw.get('eta', 1.0),
+                    use_pos_embed=kw.get('use_pos', True),
+                    block_indices=(depth - 1, ) * 4)
+
+    def classifier_args(self, fx: Mapping[str, Any]) -> dict:
+        kw = fx['official_ctor']['kwargs']
+        if kw.get('cls_attn_layers', 2) != 2:
+            raise NotImplementedError(f"cls_attn_layers={kw['cls_attn_layers']} (2 in every "
+                                      'official model; classifier_cfg builds 2)')
+        return dict(tokens_norm=bool(kw.get('tokens_norm', False)))
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         converted, _ = CONVERTERS['sima_xcit'](fx['state_dict'])

@@ -8,12 +8,12 @@
   comes back converted (logged once per load), anything else unchanged.
 """
 from collections import OrderedDict
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from mmengine.logging import print_log
 
-from .convert import convert_checkpoint
+from .convert import convert_checkpoint, convert_classifier_checkpoint
 from .converters import guess_family
 from .converters.whole_model import convert_meta, convert_whole_model, is_whole_model, \
     split_whole_model
@@ -70,8 +70,12 @@ def whole_model_as_ours(ckpt: Any, source: str) -> Any:
 
 
 def convert_official_file(ckpt: Mapping, family: str, arch: str, whole_model: bool,
-                          source: str = '') -> Dict[str, Any]:
-    """The flatten_mm checkpoint of an official file: ``{'state_dict', 'meta'}``.
+                          source: str = '', target: str = 'backbone',
+                          expected_classifier: Optional[Callable] = None) -> Dict[str, Any]:
+    """The flatten_mm checkpoint of an official file: ``{'state_dict', 'meta'}``; an
+    ImageNet file converts to the dense backbone (``target='backbone'``) or to the whole
+    mmpretrain classifier (``'classifier'``, checked against ``expected_classifier``, see
+    ``convert_classifier_checkpoint``).
 
     Raises:
         ConversionError: ImageNet weights that do not fit ``family`` / ``arch`` (the
@@ -80,5 +84,10 @@ def convert_official_file(ckpt: Mapping, family: str, arch: str, whole_model: bo
     """
     if whole_model:
         return convert_whole_file(ckpt, family, source)
-    state_dict, _, family = convert_checkpoint(ckpt, family, arch)
-    return dict(state_dict=state_dict, meta=dict(source=source, family=family, arch=arch))
+    if target == 'classifier':
+        state_dict, _, family = convert_classifier_checkpoint(ckpt, family, arch,
+                                                              expected=expected_classifier)
+    else:
+        state_dict, _, family = convert_checkpoint(ckpt, family, arch)
+    return dict(state_dict=state_dict,
+                meta=dict(source=source, family=family, arch=arch, target=target))

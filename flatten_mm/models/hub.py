@@ -33,6 +33,7 @@ from ..checkpoints.download import fetch, log_message, sha256_of
 from ..checkpoints.io import load_foreign_checkpoint, save_checkpoint_file
 from ..checkpoints.official import convert_official_file
 from . import zoo
+from .classification import classifier_state_dict
 
 SCHEME = zoo.SCHEME
 HOME_ENV = 'FLATTEN_MM_HOME'
@@ -50,19 +51,26 @@ def official_dir(root: Optional[str] = None) -> str:
     return osp.join(root or home(), 'official')
 
 
-def converted_path(weights: zoo.OfficialWeights, root: Optional[str] = None) -> str:
-    """The converted file of ``weights``: ``<root>/<name>_in1k.pth`` or ``<root>/<name>.pth``."""
-    return osp.join(root or home(), osp.basename(weights.target))
+def converted_path(weights: zoo.OfficialWeights, root: Optional[str] = None,
+                   target: str = 'backbone') -> str:
+    """The converted file of ``weights``: ``<root>/<name>_in1k.pth`` or ``<root>/<name>.pth``;
+    the classifier of ImageNet weights (``target='classifier'``) is
+    ``<root>/<name>_in1k-classifier.pth``."""
+    path = osp.join(root or home(), osp.basename(weights.target))
+    return path[:-len('.pth')] + '-classifier.pth' if target == 'classifier' else path
 
 
 def prepare(name: str, root: Optional[str] = None, force: bool = False,
             trust: bool = False, official_file: Optional[str] = None,
-            log: Callable[[str], None] = log_message) -> str:
+            log: Callable[[str], None] = log_message, target: str = 'backbone') -> str:
     """The converted file of the official checkpoint ``name`` under ``root`` (default
     ``home()``), downloaded and converted unless already there (``force``: download and
     convert again). ``official_file``: convert this file instead of downloading;
     ``trust``: full unpickling of the official file (only for a source you trust);
-    ``log``: where the download's messages go (default mmengine's current logger).
+    ``log``: where the download's messages go (default mmengine's current logger);
+    ``target``: ImageNet weights as the dense backbone (``'backbone'``, what the configs'
+    ``init_cfg`` loads) or as the whole mmpretrain classifier (``'classifier'``, what the
+    ``configs/mmpretrain`` configs evaluate).
 
     Raises:
         ValueError: ``name`` has no official checkpoint (the message says whether it is a
@@ -72,7 +80,10 @@ def prepare(name: str, root: Optional[str] = None, force: bool = False,
         ConversionError / CheckpointError: the official file does not convert.
     """
     weights = zoo.get_official_weights(name)
-    dst = converted_path(weights, root)
+    if target == 'classifier' and weights.is_whole_model:
+        raise ValueError(f'{name} is a whole {weights.kind} model: only ImageNet weights convert '
+                         'to a classifier')
+    dst = converted_path(weights, root, target)
     if osp.isfile(dst) and not force:
         return dst
     if official_file is None:
@@ -83,7 +94,8 @@ def prepare(name: str, root: Optional[str] = None, force: bool = False,
         raw = source = official_file
     ckpt = load_foreign_checkpoint(raw, trust=trust)
     out = convert_official_file(ckpt, weights.family, weights.arch, weights.is_whole_model,
-                                source=source)
+                                source=source, target=target,
+                                expected_classifier=classifier_state_dict)
     out['meta'].update(name=weights.name, sha256=sha256_of(raw))
     save_checkpoint_file(out, dst, force=True)
     return dst

@@ -24,6 +24,11 @@ grid before the checks by the layer that owns it (its ``resize_loaded_tables``, 
 code its ``_load_from_state_dict`` runs), and the log names every resized key with its
 old and new shape. Other widths, depths or heads are still refused.
 
+A whole-model checkpoint -- an ImageNet classifier trained with ``configs/mmpretrain``
+(``backbone.`` / ``neck.`` / ``head.`` keys) or a detector / segmentor -- given without
+``prefix`` has its ``backbone.`` weights selected (logged), as ``prefix='backbone.'``
+does; the checks below then apply to them.
+
 A partial load is an explicit choice: ``init_cfg=dict(type='Pretrained', checkpoint=...,
 strict=False)`` loads the matching part (e.g. a hybrid whose replaced attention stages
 have other keys) and logs the rest as mmengine does; a file sharing no parameter at all
@@ -185,6 +190,22 @@ def official_as_ours(module: nn.Module, state_dict: Dict[str, torch.Tensor]
     return OrderedDict(converted), mine[0]
 
 
+def backbone_of_whole_model(module: nn.Module, state_dict: Dict[str, torch.Tensor]
+                            ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """``(state_dict, parts)``: the ``backbone.`` weights of a whole-model checkpoint -- an
+    mmpretrain classifier trained with ``configs/mmpretrain`` (``backbone.`` / ``neck.`` /
+    ``head.``), or a detector / segmentor -- with the prefix stripped, and the top-level
+    parts the file holds; anything else is returned unchanged with ``parts=[]``. (As
+    ``init_cfg=dict(..., prefix='backbone.')`` selects it explicitly.)"""
+    expected = module.state_dict()
+    if set(state_dict) <= set(expected) or not any(k.startswith('backbone.') for k in state_dict):
+        return state_dict, []
+    parts = sorted({k.split('.', 1)[0] for k in state_dict})
+    selected = OrderedDict((k[len('backbone.'):], v) for k, v in state_dict.items()
+                           if k.startswith('backbone.'))
+    return selected, parts
+
+
 def resize_tables(module: nn.Module, state_dict: Dict[str, torch.Tensor]
                   ) -> List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
     """Let every submodule that owns grid-dependent tables (declared by a
@@ -218,6 +239,12 @@ def load_pretrained(module: nn.Module, init_cfg: Mapping) -> None:
         # exist (``flatten_mm.models.zoo``) instead of a bare missing-file error
         raise FileNotFoundError(missing_weights_message(path, module))
     state_dict = read_pretrained(init_cfg)
+    if not init_cfg.get('prefix'):
+        state_dict, parts = backbone_of_whole_model(module, state_dict)
+        if parts:
+            print_log(f'{type(module).__name__}: {path} holds a whole model ({", ".join(parts)}, '
+                      'e.g. an ImageNet classifier of configs/mmpretrain); its backbone. weights '
+                      "are loaded (as prefix='backbone.')", logger='current')
     state_dict, official = official_as_ours(module, state_dict)
     if official:
         print_log(f'{type(module).__name__}: {path} holds official {official} weights; '

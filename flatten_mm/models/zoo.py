@@ -19,6 +19,7 @@ unknown (``tools/download_weights.py`` records the sum of the first download nex
 file and checks later downloads against it).
 """
 import difflib
+import glob
 import os
 import os.path as osp
 import re
@@ -240,20 +241,45 @@ def _name_from_path(path: str) -> Optional[str]:
     return None
 
 
+def _config_roots() -> List[str]:
+    """Where the configs are: the source checkout next to the package, or the ``.mim``
+    copy of an installed package."""
+    package = osp.dirname(osp.dirname(osp.abspath(__file__)))
+    return [osp.join(osp.dirname(package), 'configs'), osp.join(package, '.mim', 'configs')]
+
+
+def pretraining_config(name: str) -> str:
+    """The ImageNet-1k pretraining config of the catalogue variant ``name``
+    (``configs/mmpretrain/<family>/<name>_<gpus>xb<batch>_in1k[-<size>px].py``), relative
+    to the repository root. Raises ``ValueError`` for a name outside the catalogue."""
+    spec = backbone_catalogue().get(name)
+    if spec is None:
+        raise ValueError(f'{name!r} is not a catalogue backbone name')
+    folder = osp.join('mmpretrain', spec.family)
+    for root in _config_roots():
+        found = sorted(glob.glob(osp.join(root, folder, f'{name}_*in1k*.py')))
+        if found:
+            return 'configs/' + osp.relpath(found[0], root).replace(os.sep, '/')
+    return f'configs/{folder}/{name}_8xb128_in1k.py'.replace(os.sep, '/')
+
+
 def unreleased_message(name: str, dst: Optional[str] = None) -> str:
-    """The variant ``name`` has no official ImageNet weights: say so and the two ways on
-    (``dst``: where the converted file is expected, ``checkpoints/<name>_in1k.pth`` by
-    default)."""
+    """The variant ``name`` has no official ImageNet weights: say so and the ways on --
+    pretrain it with its mmpretrain config, convert a training of the official code, or
+    train from scratch (``dst``: where the config expects the file,
+    ``checkpoints/<name>_in1k.pth`` by default)."""
     dst = dst or f'checkpoints/{name}_in1k.pth'
     what = (f'no official ImageNet weights were released for {display_name(name)} ({name})'
             if not name.startswith('pvt-v2-') else
             f'no official weights of the FLatten / QuadTree / SimA releases exist for '
             f'{display_name(name)} ({name}, the plain / hybrid PVTv2 built here)')
     return (f'{what}; the official repositories publish ImageNet weights only for '
-            f'{", ".join(display_name(n) for n in imagenet_names())}. Two ways on: convert '
-            'your own ImageNet training of this variant (the checkpoint of the official '
-            f'training code) with `python tools/convert_checkpoint.py SRC {dst}`, or train '
-            'from scratch with `--cfg-options model.backbone.init_cfg=None`.')
+            f'{", ".join(display_name(n) for n in imagenet_names())}. Three ways on: '
+            f'pretrain it on ImageNet with {pretraining_config(name)} (mmpretrain; see '
+            'docs/user_guides/pretrain.md) and put the trained checkpoint at '
+            f'{dst} (or point init_cfg.checkpoint at it); convert a training of the official '
+            f'code with `python tools/convert_checkpoint.py SRC {dst}`; or train from scratch '
+            'with `--cfg-options model.backbone.init_cfg=None`.')
 
 
 def missing_weights_message(path: str, module=None) -> str:

@@ -165,6 +165,37 @@ def test_whole_model_step_updates_the_backbone():
     assert len(changed) == len(before)
 
 
+def test_classifier_training_step_rows():
+    """The ImageNet classifier suite: ours and the softmax counterpart alternate in one
+    run (at 64x64 here), each with its peak memory; the ratio comes from those rows."""
+    pytest.importorskip('mmpretrain')
+    rows = bm.run_classifier_benchmark(batches=(2, ), input_hw=(64, 64),
+                                       names=('flatten-pvt-v2-b0', ), warmup=1, repeats=1)
+    assert [r['name'] for r in rows] == ['flatten-pvt-v2-b0', 'pvt-v2-b0']
+    for r in rows:
+        assert r['suite'] == 'classifier_step' and r.get('note') is None, r
+        assert r['batch'] == 2 and r['median_ms'] > 0 and r['peak_mem_mb'] > 0
+    ratios = bm.step_ratio_rows(rows, bm.classifier_pairs(), suite='classifier_step')
+    assert len(ratios) == 1
+    _check_ratios(rows, ratios, 'classifier_step')
+    with pytest.raises(ValueError, match='unknown classifiers'):
+        bm.run_classifier_benchmark(names=('resnet-50', ))
+
+
+def test_classifier_step_updates_every_parameter():
+    pytest.importorskip('mmpretrain')
+    cfg = train._load_config(train.CLASSIFIER_PAIRS['sima-xcit-s12-p16'][0])
+    cfg.model.backbone.update(arch=dict(embed_dims=32, depth=2, num_heads=2),
+                              block_indices=(1, 1, 1, 1))
+    cfg.model.neck.update(embed_dims=32, num_heads=2)
+    cfg.model.head.in_channels = 32
+    model, step = train.classifier_step(cfg, (64, 64), 2, torch.device('cpu'))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert torch.isfinite(step())
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p.detach(), before[n])]
+    assert unchanged == []
+
+
 def test_profile_counts_follow_their_definitions():
     model = _tiny_flatten()
     x = torch.randn(1, 3, 64, 64)

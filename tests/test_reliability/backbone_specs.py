@@ -39,8 +39,10 @@ TINY_ARCHS: Dict[str, Dict[str, dict]] = {
 
 
 def registered_backbones() -> List[str]:
-    """Names of every backbone registered in the ``flatten_mm`` scope."""
-    return sorted(MODELS.module_dict)
+    """Names of every backbone registered in the ``flatten_mm`` scope (the scope also holds
+    the classification neck of SimA, which is not a backbone)."""
+    return sorted(n for n, cls in MODELS.module_dict.items()
+                  if cls.__module__.startswith('flatten_mm.models.backbones.'))
 
 
 def spec(name: str) -> Dict[str, dict]:

@@ -118,6 +118,37 @@ def test_from_file_whole_model(tmp_path, capsys):
     assert len(ckpt['meta']['dataset_meta']['classes']) == 80
 
 
+def test_from_file_imagenet_classifier_target(tmp_path, capsys):
+    """--target classifier: the official ImageNet file converts with its head to the
+    classifier the variant's configs/mmpretrain config evaluates (offline, --from-file)."""
+    pytest.importorskip('mmpretrain')
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import load_checkpoint
+    from mmpretrain.registry import MODELS
+    src = tmp_path / 'b0.pth'
+    official_imagenet_file(src)
+    official = torch.load(src, weights_only=False)['model']
+    name = 'quadtree-b-pvt-v2-b0'
+    assert download_weights.main([name, '--target', 'classifier', '--from-file', str(src),
+                                  '--dir', str(tmp_path)]) == 0
+    dst = tmp_path / f'{name}_in1k-classifier.pth'
+    config = zoo.pretraining_config(name)
+    assert f'mim test mmpretrain {config} --checkpoint {dst}' in capsys.readouterr().out
+    init_default_scope('mmpretrain')
+    classifier = MODELS.build(Config.fromfile(osp.join(REPO_ROOT, config)).model)
+    load_checkpoint(classifier, str(dst), strict=True)
+    assert torch.equal(classifier.head.fc.weight, official['head.weight'])
+    assert torch.equal(classifier.backbone.stages[0].patch_embed.proj.weight,
+                       official['patch_embed1.proj.weight'])
+    # the backbone target of the same file is untouched: another name in the same folder
+    assert not (tmp_path / f'{name}_in1k.pth').exists()
+    # whole models have no classifier
+    assert download_weights.main(['retinanet_quadtree-b-pvt-v2-b0_fpn_1x_coco', '--target',
+                                  'classifier', '--dir', str(tmp_path)]) == 2
+    assert 'only ImageNet weights convert to a classifier' in capsys.readouterr().err
+
+
 def test_unreleased_and_unknown_names(tmp_path, capsys):
     assert download_weights.main(['flatten-pvt-v2-b1', '--dir', str(tmp_path)]) == 2
     err = capsys.readouterr().err

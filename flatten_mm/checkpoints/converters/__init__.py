@@ -6,14 +6,17 @@ this package is imported here, so ``CONVERTERS`` lists them all.
 import importlib
 import pkgutil
 
-from .common import (BACKBONES, CONVERTERS, SIGNATURES, ConvertResult, guess_family, key_mismatch_report,
-                     register_converter, rename, unwrap_checkpoint)
+from .common import (BACKBONES, CLASSIFIER_RULES, CONVERTERS, SIGNATURES, ConvertResult,
+                     guess_family, key_mismatch_report, register_converter, rename,
+                     unwrap_checkpoint)
 
 for _mod in pkgutil.iter_modules(__path__):
-    if _mod.name != 'common':
+    if _mod.name not in ('common', 'classifier'):
         importlib.import_module(f'{__name__}.{_mod.name}')
 
+from .classifier import convert_classifier  # noqa: E402
+
 __all__ = [
-    'BACKBONES', 'CONVERTERS', 'SIGNATURES', 'ConvertResult', 'guess_family', 'key_mismatch_report',
+    'BACKBONES', 'CLASSIFIER_RULES', 'convert_classifier', 'CONVERTERS', 'SIGNATURES', 'ConvertResult', 'guess_family', 'key_mismatch_report',
     'register_converter', 'rename', 'unwrap_checkpoint'
 ]

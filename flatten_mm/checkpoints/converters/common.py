@@ -14,18 +14,25 @@ CONVERTERS: Dict[str, Callable[[Mapping[str, torch.Tensor]], ConvertResult]] = {
 SIGNATURES: Dict[str, Callable[[Mapping[str, torch.Tensor]], bool]] = {}
 #: family name -> name of the flatten_mm backbone class the converted dict loads into
 BACKBONES: Dict[str, str] = {}
+#: family name -> regex rules ``(official key, classifier key)`` of the classification-only
+#: entries of the official classifier (head, final norm, class token...), mapped onto the
+#: mmpretrain ``ImageClassifier`` of ``flatten_mm.models.classification``
+CLASSIFIER_RULES: Dict[str, Tuple[Tuple[str, str], ...]] = {}
 
 
 def register_converter(family: str, signature: Callable[[Mapping], bool],
-                       backbone: Optional[str] = None):
-    """Decorator registering a converter, the key signature of its family and (optionally)
-    the flatten_mm backbone class its output is for."""
+                       backbone: Optional[str] = None,
+                       classifier_rules: Tuple[Tuple[str, str], ...] = ()):
+    """Decorator registering a converter, the key signature of its family, (optionally)
+    the flatten_mm backbone class its output is for, and the rules that place the
+    official classifier's own parts in the mmpretrain classifier (``convert_classifier``)."""
 
     def wrap(fn):
         CONVERTERS[family] = fn
         SIGNATURES[family] = signature
         if backbone is not None:
             BACKBONES[family] = backbone
+        CLASSIFIER_RULES[family] = tuple(classifier_rules)
         return fn
 
     return wrap

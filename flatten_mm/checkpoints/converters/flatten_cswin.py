@@ -36,13 +36,18 @@ RULES = (
     (r'stage(\d)\.(\d+)\.(.*)', lambda m: f'stages.{_stage(m)}.blocks.{m.group(2)}.{m.group(3)}'),
 )
 
+#: classifier: the final ``norm`` is the output norm of the last stage (``norm4``)
+CLASSIFIER = ((r'norm\.(weight|bias)', r'backbone.norm4.\1'),
+              (r'head\.(weight|bias)', r'head.fc.\1'))
+
 
 def _is_flatten_cswin(sd: Mapping) -> bool:
     return 'stage1_conv_embed.0.weight' in sd and \
         any(k.endswith('.positional_encoding') and '.attns.' in k for k in sd)
 
 
-@register_converter('flatten_cswin', _is_flatten_cswin, backbone='FLattenCSWin')
+@register_converter('flatten_cswin', _is_flatten_cswin, backbone='FLattenCSWin',
+                    classifier_rules=CLASSIFIER)
 def convert_flatten_cswin(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Rename an official FLatten-CSwin state dict (any size, 224 or 384).
 

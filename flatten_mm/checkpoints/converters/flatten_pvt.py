@@ -12,6 +12,11 @@ import torch
 
 from .common import ConvertResult, register_converter, rename
 
+#: the official linear head -> mmpretrain ``LinearClsHead`` (the classifier of every
+#: PVT-family model averages the last stage map; PVT v1's unused ``norm`` stays dropped)
+HEAD_RULES = ((r'head\.(weight|bias)', r'head.fc.\1'), )
+
+
 def _stage_rules():
     """Regex rules mapping official PVT-family keys to ``stages.*`` (1-based -> 0-based)."""
 
@@ -48,13 +53,15 @@ def _is_flatten_pvt(sd: Mapping) -> bool:
     return 'pos_embed1' in sd and any(k.startswith('block1.') for k in sd)
 
 
-@register_converter('flatten_pvt_v2', _is_flatten_pvt_v2, backbone='FLattenPVTv2')
+@register_converter('flatten_pvt_v2', _is_flatten_pvt_v2, backbone='FLattenPVTv2',
+                    classifier_rules=HEAD_RULES)
 def convert_flatten_pvt_v2(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Official FLatten-PVTv2 -> ``FLattenPVTv2``."""
     return convert_pvt_family(state_dict)
 
 
-@register_converter('flatten_pvt', _is_flatten_pvt, backbone='FLattenPVT')
+@register_converter('flatten_pvt', _is_flatten_pvt, backbone='FLattenPVT',
+                    classifier_rules=HEAD_RULES)
 def convert_flatten_pvt(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Official FLatten-PVT (v1) -> ``FLattenPVT``."""
     return convert_pvt_family(state_dict)

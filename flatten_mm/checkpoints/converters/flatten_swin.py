@@ -20,13 +20,18 @@ RULES = (
     (r'layers\.(\d+)\.(blocks\.\d+\..*|downsample\..*)', r'stages.\1.\2'),
 )
 
+#: classifier: the final ``norm`` is the output norm of the last stage (``norm3``)
+CLASSIFIER = ((r'norm\.(weight|bias)', r'backbone.norm3.\1'),
+              (r'head\.(weight|bias)', r'head.fc.\1'))
+
 
 def _is_flatten_swin(sd: Mapping) -> bool:
     return 'patch_embed.proj.weight' in sd and \
         any(k.startswith('layers.') and k.endswith('.attn.positional_encoding') for k in sd)
 
 
-@register_converter('flatten_swin', _is_flatten_swin, backbone='FLattenSwin')
+@register_converter('flatten_swin', _is_flatten_swin, backbone='FLattenSwin',
+                    classifier_rules=CLASSIFIER)
 def convert_flatten_swin(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Rename an official FLatten-Swin state dict (any size, 224 or 384).
 

@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 
 from .common import ConvertResult, register_converter
-from .flatten_pvt import convert_pvt_family
+from .flatten_pvt import HEAD_RULES, convert_pvt_family
 
 
 def _is_quadtree(sd: Mapping) -> bool:
@@ -27,7 +27,8 @@ def _is_quadtree(sd: Mapping) -> bool:
         any(k.startswith('patch_embed1.') for k in sd)
 
 
-@register_converter('quadtree', _is_quadtree, backbone='QuadTreePVTv2')
+@register_converter('quadtree', _is_quadtree, backbone='QuadTreePVTv2',
+                    classifier_rules=HEAD_RULES)
 def convert_quadtree(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Official QuadTree (A or B; classification or dense trunk) -> ``QuadTreePVTv2``.
 

@@ -18,6 +18,11 @@ from .common import ConvertResult, register_converter, rename
 #: classification-only keys of the official model
 SIMA_DROP = (r'cls_token', r'cls_attn_blocks\..*', r'norm\.(weight|bias)', r'head\..*')
 
+#: classifier: class token, class-attention blocks and final norm form
+#: ``SimAClassAttentionNeck`` (same names), the head is ``LinearClsHead``
+CLASSIFIER = ((r'(cls_token|cls_attn_blocks\..*|norm\.(weight|bias))', r'neck.\1'),
+              (r'head\.(weight|bias)', r'head.fc.\1'))
+
 
 def _is_sima(sd: Mapping) -> bool:
     """SimA: XCiT block layout (``local_mp`` LPI, ``attn.qkv``) without XCiT's
@@ -28,7 +33,7 @@ def _is_sima(sd: Mapping) -> bool:
             and not any(k.endswith('attn.temperature') for k in keys))
 
 
-@register_converter('sima_xcit', _is_sima, backbone='SimAXCiT')
+@register_converter('sima_xcit', _is_sima, backbone='SimAXCiT', classifier_rules=CLASSIFIER)
 def convert_sima_xcit(state_dict: Mapping[str, torch.Tensor]) -> ConvertResult:
     """Official SimA -> ``SimAXCiT``: drop ``cls_token``, ``cls_attn_blocks.*``,
     ``norm.*`` and ``head.*``; other keys are unchanged. Idempotent (a converted dict

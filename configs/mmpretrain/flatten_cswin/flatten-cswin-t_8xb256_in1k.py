@@ -1,0 +1,32 @@
+# FLatten-CSwin-T on ImageNet-1k.
+# Recipe: FLatten cfgs/flatten_cswin_t.yaml + config.py defaults (LeapLabTHU/FLatten-Transformer
+# @ abdb115) and main_ema.py; EMA decay of the FLatten README training commands.
+# 300 epochs + 10 at the final lr, batch 2048 (8 GPUs x 256), AdamW lr 0.002 (0.0005 x 2048 /
+# 512), weight decay 0.05, warmup 20 epochs, drop path 0.2, EMA 0.99984.
+# Official weights exist (flatten_mm://flatten-cswin-t, 83.1 top-1); this config reproduces them.
+_base_ = ['../_base_/in1k_adamw_deit-aug.py']
+
+model = dict(
+    backbone=dict(
+        type='flatten_mm.FLattenCSWin',
+        arch='t',
+        drop_path_rate=0.2,
+        out_indices=(3,)),
+    head=dict(in_channels=512))
+
+train_dataloader = dict(batch_size=256)
+
+optim_wrapper = dict(
+    optimizer=dict(lr=0.002))
+
+# cosine to the final lr over the first 300 epochs, then 10 epochs at it
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.002, by_epoch=True, end=20,
+         convert_to_iter_based=True),
+    dict(type='CosineAnnealingLR', eta_min=4e-05, by_epoch=True, begin=20, end=300,
+         convert_to_iter_based=True),
+]
+train_cfg = dict(max_epochs=310)
+auto_scale_lr = dict(base_batch_size=2048)
+
+custom_hooks = [dict(type='EMAHook', momentum=0.00016, priority='ABOVE_NORMAL')]

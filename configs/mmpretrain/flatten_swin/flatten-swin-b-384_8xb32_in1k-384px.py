@@ -1,0 +1,58 @@
+# FLatten-Swin-B-384 on ImageNet-1k (384x384 fine-tuning of FLatten-Swin-B).
+# Recipe: FLatten cfgs/flatten_swin_b_384.yaml + config.py defaults
+# (LeapLabTHU/FLatten-Transformer @ abdb115).
+# 30 epochs, batch 256 (8 GPUs x 32), AdamW lr 1e-05 (2e-05 x 256 / 512), weight decay 1e-08,
+# warmup 5 epochs, drop path 0.5, grad clip 5.
+# Official weights exist (flatten_mm://flatten-swin-b-384, 85.0 top-1); this config reproduces
+# them.
+_base_ = ['../_base_/in1k_adamw_deit-aug.py']
+
+model = dict(
+    backbone=dict(
+        type='flatten_mm.FLattenSwin',
+        arch='b-384',
+        drop_path_rate=0.5,
+        out_indices=(3,)),
+    head=dict(in_channels=1024))
+
+# 384x384: random-resized crops for training; the test image is resized to 384 without
+# a center crop (TEST.CROP False)
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='RandomResizedCrop', scale=384, backend='pillow', interpolation='bicubic'),
+    dict(type='RandomFlip', prob=0.5, direction='horizontal'),
+    dict(type='RandAugment', policies='timm_increasing', num_policies=2, total_level=10,
+         magnitude_level=9, magnitude_std=0.5,
+         hparams=dict(pad_val=[104, 116, 124], interpolation='bicubic')),
+    dict(type='RandomErasing', erase_prob=0.25, mode='rand', min_area_ratio=0.02,
+         max_area_ratio=1 / 3, fill_color=[103.53, 116.28, 123.675],
+         fill_std=[57.375, 57.12, 58.395]),
+    dict(type='PackInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=(384, 384), backend='pillow', interpolation='bicubic'),
+    dict(type='PackInputs'),
+]
+train_dataloader = dict(batch_size=32, dataset=dict(pipeline=train_pipeline))
+val_dataloader = dict(dataset=dict(pipeline=test_pipeline))
+test_dataloader = dict(dataset=dict(pipeline=test_pipeline))
+
+optim_wrapper = dict(
+    optimizer=dict(lr=1e-05, weight_decay=1e-08),
+    clip_grad=dict(max_norm=5))
+
+# cosine to the final lr over the first 30 epochs
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.001, by_epoch=True, end=5,
+         convert_to_iter_based=True),
+    dict(type='CosineAnnealingLR', eta_min=1e-07, by_epoch=True, begin=5, end=30,
+         convert_to_iter_based=True),
+]
+train_cfg = dict(max_epochs=30)
+auto_scale_lr = dict(base_batch_size=256)
+
+# start from the 224 model: the trained checkpoint of flatten-swin-b_8xb64_in1k.py
+# (or the official weights, converted to the classifier layout by
+# `python tools/download_weights.py flatten-swin-b --target classifier`)
+load_from = 'work_dirs/flatten-swin-b_8xb64_in1k/epoch_300.pth'
