@@ -459,9 +459,11 @@ CLASSIFIER_BATCHES = (8, 32)
 
 
 def _load_config(path: str):
+    """A config of this checkout, or one shipped inside a package (``mmpretrain::...``)."""
     from mmengine.config import Config
-    if '::' in path:  # a config shipped inside a package (mmpretrain::...)
-        return Config.fromfile(path)
+    if '::' in path:
+        from mmengine.hub import get_config
+        return get_config(path)
     return Config.fromfile(os.path.join(_root(), path))
 
 

@@ -1,6 +1,6 @@
 """Adapter interface, comparison rule and report of the parity check."""
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -98,6 +98,12 @@ class FixtureAdapter:
     def family(self, fx: Mapping[str, Any]) -> str:
         """The converter family of the fixture's official state dict."""
         return self.name
+
+    def classifier_points(self, fx: Mapping[str, Any], classifier: nn.Module
+                          ) -> Dict[str, Tuple[nn.Module, torch.Tensor]]:
+        """Modules inside the converted classifier whose output the fixture also records
+        (``name -> (module, reference)``), besides ``features`` and ``logits``."""
+        return {}
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         """The fixture's official state dict converted to flatten_mm keys."""
@@ -218,15 +224,26 @@ def build_classifier(adapter: FixtureAdapter, fx: Mapping[str, Any]) -> nn.Modul
 def compare_classifier(adapter: FixtureAdapter, fx: Mapping[str, Any], rel_tol: float = REL_TOL,
                        autograd: bool = False) -> List[StageResult]:
     """``features`` (the head's input) and ``logits`` of the converted official
-    classifier against the fixture."""
+    classifier against the fixture, and the intermediate points the adapter names
+    (``classifier_points``: SimA's class-attention blocks)."""
     model = build_classifier(adapter, fx)
     x = fx['input'].float()
-    with torch.set_grad_enabled(autograd):
-        if autograd:
-            x = x.clone().requires_grad_(True)
-        features = model.head.pre_logits(model.extract_feat(x))
-        logits = model.head.fc(features)
-    results = []
+    points = adapter.classifier_points(fx, model)
+    seen: Dict[str, torch.Tensor] = {}
+    hooks = [module.register_forward_hook(
+        lambda _m, _i, out, name=name: seen.__setitem__(name, out.detach()))
+        for name, (module, _) in points.items()]
+    try:
+        with torch.set_grad_enabled(autograd):
+            if autograd:
+                x = x.clone().requires_grad_(True)
+            features = model.head.pre_logits(model.extract_feat(x))
+            logits = model.head.fc(features)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    results = [compare_tensors(name, seen[name], ref, rel_tol)
+               for name, (_, ref) in points.items()]
     if fx.get('features') is not None:
         results.append(compare_tensors('features', features.detach(), fx['features'], rel_tol))
     results.append(compare_tensors('logits', logits.detach(), fx['logits'], rel_tol))

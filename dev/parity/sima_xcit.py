@@ -3,10 +3,12 @@
 The fixture's ``stage_outputs[i]`` is the token map after ``blocks[i]`` for every block
 (SimA is isotropic); ``extra_outputs['patch_embed']`` is the conv patch embedding before
 the positional encoding. Both are read from ``SimAXCiT`` (``forward_blocks`` and
-``patch_embed``). The classification-only parts (class-attention blocks, norm, head)
-have no counterpart in the dense backbone and are not compared.
+``patch_embed``). The classification-only parts (class token, class-attention blocks,
+norm, head) are ``SimAClassAttentionNeck`` and the head of the converted classifier:
+``extra_outputs['cls_attn_block_outputs']``, ``features`` and ``logits`` are compared
+through it (``core.compare_classifier``).
 """
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -56,6 +58,14 @@ class SimAXCiTAdapter(FixtureAdapter):
             raise NotImplementedError(f"cls_attn_layers={kw['cls_attn_layers']} (2 in every "
                                       'official model; classifier_cfg builds 2)')
         return dict(tokens_norm=bool(kw.get('tokens_norm', False)))
+
+    def classifier_points(self, fx: Mapping[str, Any], classifier: nn.Module
+                          ) -> Dict[str, Tuple[nn.Module, torch.Tensor]]:
+        """The output of every class-attention block (``extra_outputs
+        ['cls_attn_block_outputs']``: class token first, then the patch tokens)."""
+        refs = fx.get('extra_outputs', {}).get('cls_attn_block_outputs') or []
+        return {f"extra_outputs['cls_attn_block_outputs'][{j}]": (block, ref)
+                for j, (block, ref) in enumerate(zip(classifier.neck.cls_attn_blocks, refs))}
 
     def convert(self, fx: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
         converted, _ = CONVERTERS['sima_xcit'](fx['state_dict'])

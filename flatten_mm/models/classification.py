@@ -3,20 +3,15 @@
 Each official classifier is its trunk plus what it has after the last stage. The dense
 backbone is that trunk; the rest is a neck and mmpretrain's ``LinearClsHead``:
 
-==========================  ==============================================  ===========================
-backbone                    after the last stage (official)                 here
-==========================  ==============================================  ===========================
-FLatten-PVT (v1)            mean over tokens (its ``norm`` is never used)   ``out_indices=(3,)`` + GAP
-FLatten-PVTv2, QuadTree,    stage-4 ``norm4``, mean over tokens             ``out_indices=(3,)`` (the
-PVTv2                                                                       stage norm) + GAP
-FLatten-Swin                final ``norm``, average pool                    ``out_indices=(3,)``:
-                                                                            output norm ``norm3`` + GAP
-FLatten-CSwin               final ``norm``, mean over tokens                ``out_indices=(3,)``:
-                                                                            output norm ``norm4`` + GAP
-SimA-XCiT                   class token, 2 class-attention blocks, ``norm``  token map (identity
-                                                                            adapter) +
-                                                                            ``SimAClassAttentionNeck``
-==========================  ==============================================  ===========================
+* FLatten-PVT (v1): the official model averages the stage-4 tokens (its final ``norm``
+  is never applied): ``out_indices=(3,)`` and ``GlobalAveragePooling``;
+* FLatten-PVTv2, QuadTree, PVTv2: stage-4 ``norm4``, then the mean: ``out_indices=(3,)``
+  (the stage norm is part of the stage) and ``GlobalAveragePooling``;
+* FLatten-Swin / FLatten-CSwin: the final ``norm``, then the mean: ``out_indices=(3,)``,
+  whose output norm (``norm3`` / ``norm4``) is that norm, and ``GlobalAveragePooling``;
+* SimA-XCiT: class token, two class-attention blocks and ``norm``: the token map after
+  the last block (the identity adapter of the patch stride) and
+  ``flatten_mm.SimAClassAttentionNeck``.
 
 The head is ``LinearClsHead`` (``head.fc``). ``classifier_cfg`` writes the config for any
 backbone config; ``configs/mmpretrain`` spells the same dicts out with the training
@@ -28,6 +23,7 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
+from mmengine.registry import DefaultScope
 
 from ..checkpoints.converters import BACKBONES
 from ..registry import MODELS
@@ -143,7 +139,6 @@ def build_classifier(cfg: dict) -> nn.Module:
     registries have no classifiers, and some names -- losses -- mean other classes there).
     Needs mmpretrain."""
     import mmpretrain.models  # noqa: F401  (optional dependency: registers ImageClassifier)
-    from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS as MMPRETRAIN_MODELS
     with DefaultScope.overwrite_default_scope('mmpretrain'):
         return MMPRETRAIN_MODELS.build(copy.deepcopy(cfg))

@@ -182,6 +182,17 @@ def test_classifier_training_step_rows():
         bm.run_classifier_benchmark(names=('resnet-50', ))
 
 
+def test_every_classifier_pair_loads_with_the_same_head():
+    """Ours and the counterpart of every pair load (package configs included) and build
+    1000-class heads."""
+    pytest.importorskip('mmpretrain')
+    for ours, (path, baselines) in train.CLASSIFIER_PAIRS.items():
+        for name, cfg_path in dict({ours: path}, **baselines).items():
+            cfg = train._load_config(cfg_path)
+            assert cfg.model.type == 'ImageClassifier', name
+            assert cfg.model.head.num_classes == 1000, name
+
+
 def test_classifier_step_updates_every_parameter():
     pytest.importorskip('mmpretrain')
     cfg = train._load_config(train.CLASSIFIER_PAIRS['sima-xcit-s12-p16'][0])

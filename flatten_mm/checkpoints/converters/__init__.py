@@ -17,6 +17,7 @@ for _mod in pkgutil.iter_modules(__path__):
 from .classifier import convert_classifier  # noqa: E402
 
 __all__ = [
-    'BACKBONES', 'CLASSIFIER_RULES', 'convert_classifier', 'CONVERTERS', 'SIGNATURES', 'ConvertResult', 'guess_family', 'key_mismatch_report',
-    'register_converter', 'rename', 'unwrap_checkpoint'
+    'BACKBONES', 'CLASSIFIER_RULES', 'CONVERTERS', 'SIGNATURES', 'ConvertResult',
+    'convert_classifier', 'guess_family', 'key_mismatch_report', 'register_converter', 'rename',
+    'unwrap_checkpoint'
 ]
