@@ -121,6 +121,28 @@ def test_offline_the_file_put_by_hand_is_picked_up(official_b0, tmp_path, monkey
     assert_same(got, init_from(converted))
 
 
+def test_classifier_target_by_name(official_b0, tmp_path):
+    """``flatten_mm://<name>/classifier``: the official ImageNet file with its head as the
+    mmpretrain classifier of the variant's configs/mmpretrain config (``load_from``)."""
+    pytest.importorskip('mmpretrain')
+    from mmengine.config import Config
+    from mmengine.runner import load_checkpoint
+
+    from flatten_mm.checkpoints.converters import convert_classifier
+    from flatten_mm.models.classification import build_classifier
+    official = torch.load(official_b0, weights_only=False)['model']
+    cfg = Config.fromfile(osp.join(REPO_ROOT, zoo.pretraining_config(NAME)))
+    classifier = build_classifier(cfg.model)
+    load_checkpoint(classifier, f'flatten_mm://{NAME}/classifier', strict=True)
+    expected, _ = convert_classifier(official, 'flatten_pvt_v2')
+    for key, value in classifier.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert osp.isfile(osp.join(hub.home(), f'{NAME}_in1k-classifier.pth'))
+    assert not osp.exists(osp.join(hub.home(), f'{NAME}_in1k.pth'))  # the other target
+    with pytest.raises(ValueError, match='unknown target'):
+        hub.parse_uri(f'flatten_mm://{NAME}/neck')
+
+
 def test_scheme_names_without_official_weights(tmp_path, monkeypatch):
     monkeypatch.setenv(hub.HOME_ENV, str(tmp_path))
     with pytest.raises(ValueError, match='no official ImageNet weights were released for '

@@ -54,10 +54,8 @@ class SimAXCiTAdapter(FixtureAdapter):
 
     def classifier_args(self, fx: Mapping[str, Any]) -> dict:
         kw = fx['official_ctor']['kwargs']
-        if kw.get('cls_attn_layers', 2) != 2:
-            raise NotImplementedError(f"cls_attn_layers={kw['cls_attn_layers']} (2 in every "
-                                      'official model; classifier_cfg builds 2)')
-        return dict(tokens_norm=bool(kw.get('tokens_norm', False)))
+        return dict(tokens_norm=bool(kw.get('tokens_norm', False)),
+                    num_layers=int(kw.get('cls_attn_layers', 2)))
 
     def classifier_points(self, fx: Mapping[str, Any], classifier: nn.Module
                           ) -> Dict[str, Tuple[nn.Module, torch.Tensor]]:

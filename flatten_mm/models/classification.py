@@ -68,9 +68,12 @@ def classification_backbone(backbone_cfg: dict) -> dict:
     return dict(cfg, out_indices=(_build_meta(cfg).num_stages - 1, ))
 
 
-def classifier_neck(backbone_cfg: dict, tokens_norm: Optional[bool] = None) -> dict:
-    """The neck after ``backbone_cfg`` (see the module doc). ``tokens_norm`` (SimA only):
-    ``None`` follows the official variant (``SIMA_CLS_TOKEN_NORM_ONLY``)."""
+def classifier_neck(backbone_cfg: dict, tokens_norm: Optional[bool] = None,
+                    num_layers: int = 2) -> dict:
+    """The neck after ``backbone_cfg`` (see the module doc). SimA only: ``tokens_norm``
+    ``None`` follows the official variant (``SIMA_CLS_TOKEN_NORM_ONLY``); ``num_layers``
+    class-attention blocks (2 in every official model), with the trunk's heads, LayerScale
+    init, MLP ratio, q/k/v bias and dropout."""
     cfg = _scoped(backbone_cfg)
     if not _is_sima(cfg):
         return dict(type='GlobalAveragePooling')
@@ -79,13 +82,22 @@ def classifier_neck(backbone_cfg: dict, tokens_norm: Optional[bool] = None) -> d
         arch = cfg.get('arch', 's12')
         base = arch.lower().split('-p')[0].split('_p')[0] if isinstance(arch, str) else None
         tokens_norm = base not in SIMA_CLS_TOKEN_NORM_ONLY
-    return dict(type='flatten_mm.SimAClassAttentionNeck', embed_dims=model.embed_dims,
+    neck = dict(type='flatten_mm.SimAClassAttentionNeck', embed_dims=model.embed_dims,
                 num_heads=model.num_heads, layer_scale_init_value=model.layer_scale_init_value,
                 tokens_norm=tokens_norm)
+    # the other arguments only where they differ from the neck's defaults (the trunk's)
+    for key, value, default in (('num_layers', num_layers, 2),
+                                ('mlp_ratio', cfg.get('mlp_ratio', 4.), 4.),
+                                ('qkv_bias', cfg.get('qkv_bias', True), True),
+                                ('drop_rate', cfg.get('drop_rate', 0.), 0.)):
+        if value != default:
+            neck[key] = value
+    return neck
 
 
 def classifier_cfg(backbone_cfg: dict, num_classes: int = 1000,
-                   tokens_norm: Optional[bool] = None, **head: Dict) -> dict:
+                   tokens_norm: Optional[bool] = None, num_layers: int = 2,
+                   **head: Dict) -> dict:
     """mmpretrain ``ImageClassifier`` config of the official classifier around
     ``backbone_cfg`` (e.g. ``dict(type='flatten_mm.FLattenSwin', arch='t')``).
 
@@ -93,7 +105,7 @@ def classifier_cfg(backbone_cfg: dict, num_classes: int = 1000,
         backbone_cfg: any flatten_mm backbone config; ``out_indices`` (and SimA's
             ``block_indices``) are set for classification.
         num_classes: classes of the ``LinearClsHead``.
-        tokens_norm: SimA only, see ``classifier_neck``.
+        tokens_norm, num_layers: SimA only, see ``classifier_neck``.
         **head: other ``LinearClsHead`` arguments (``loss``, ``topk``, ``cal_acc``).
     """
     backbone = classification_backbone(backbone_cfg)
@@ -101,7 +113,7 @@ def classifier_cfg(backbone_cfg: dict, num_classes: int = 1000,
     return dict(
         type='ImageClassifier',
         backbone=backbone,
-        neck=classifier_neck(backbone_cfg, tokens_norm),
+        neck=classifier_neck(backbone_cfg, tokens_norm, num_layers),
         head=dict(type='LinearClsHead', num_classes=num_classes, in_channels=channels,
                   init_cfg=dict(HEAD_INIT), **head))
 

@@ -9,11 +9,14 @@ segmentor (``flatten_mm://mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco``). Like mm
                                        checkpoint='flatten_mm://flatten-pvt-v2-b0'))
     load_from = 'flatten_mm://mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco'
     # python tools/test.py CONFIG flatten_mm://mask-rcnn_quadtree-b-pvt-v2-b0_fpn_1x_coco
+    # ImageNet weights with their head, for a configs/mmpretrain classifier:
+    load_from = 'flatten_mm://flatten-swin-b/classifier'
 
 On first use the official file is downloaded to ``<home>/official/<name>.pth``
 (resumable, SHA-256 checked: ``flatten_mm.checkpoints.download``), converted, and the
-converted file cached as ``<home>/<name>_in1k.pth`` (ImageNet) or ``<home>/<name>.pth``
-(whole models); later uses read the cache. ``<home>`` is ``$FLATTEN_MM_HOME``, by default
+converted file cached as ``<home>/<name>_in1k.pth`` (ImageNet), ``<home>/<name>_in1k-
+classifier.pth`` (the classifier) or ``<home>/<name>.pth`` (whole models); later uses read
+the cache. ``<home>`` is ``$FLATTEN_MM_HOME``, by default
 ``flatten_mm`` in torch's hub directory (``$TORCH_HOME/hub``, ``~/.cache/torch/hub``).
 Without network, put the official file (downloaded by hand) at
 ``<home>/official/<name>.pth``: it is picked up from there. In distributed runs rank 0
@@ -23,7 +26,7 @@ Importing ``flatten_mm.models`` registers the scheme (``install``).
 """
 import os
 import os.path as osp
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from mmengine.dist import barrier, get_dist_info
@@ -101,16 +104,33 @@ def prepare(name: str, root: Optional[str] = None, force: bool = False,
     return dst
 
 
+def parse_uri(filename: str) -> Tuple[str, str]:
+    """``flatten_mm://<name>`` -> ``(name, 'backbone')``; ``flatten_mm://<name>/classifier``
+    (ImageNet weights as the whole mmpretrain classifier) -> ``(name, 'classifier')``.
+
+    Raises:
+        ValueError: another suffix.
+    """
+    name, _, target = filename[len(SCHEME):].strip('/').partition('/')
+    if target not in ('', 'classifier'):
+        raise ValueError(f'{filename}: unknown target {target!r}; write {SCHEME}{name} (the '
+                         f'backbone) or {SCHEME}{name}/classifier (the whole classifier)')
+    return name, target or 'backbone'
+
+
 def load_from_flatten_mm(filename: str, map_location=None):
-    """mmengine ``CheckpointLoader`` entry of ``flatten_mm://<name>``."""
-    name = filename[len(SCHEME):].strip('/')
+    """mmengine ``CheckpointLoader`` entry of ``flatten_mm://<name>`` (the converted
+    backbone, or the whole model of a detection / segmentation name) and
+    ``flatten_mm://<name>/classifier`` (ImageNet weights with their head, for the
+    ``configs/mmpretrain`` classifiers)."""
+    name, target = parse_uri(filename)
     rank, world_size = get_dist_info()
     if rank == 0:
-        path = prepare(name)
+        path = prepare(name, target=target)
     if world_size > 1:
         barrier()
     if rank > 0:
-        path = prepare(name)
+        path = prepare(name, target=target)
     return CheckpointLoader.load_checkpoint(path, map_location=map_location)
 
 

@@ -50,7 +50,6 @@ auto_scale_lr = dict(base_batch_size=256)
 
 custom_hooks = [dict(type='EMAHook', momentum=0.00018, priority='ABOVE_NORMAL')]
 
-# start from the 224 model: the trained checkpoint of flatten-cswin-b_8xb64_in1k.py
-# (or the official weights, converted to the classifier layout by
-# `python tools/download_weights.py flatten-cswin-b --target classifier`)
+# start from the 224 model, as the official fine-tuning does: your training of
+# flatten-cswin-b_8xb64_in1k.py (no official FLatten-CSwin-B weights were released)
 load_from = 'work_dirs/flatten-cswin-b_8xb64_in1k/epoch_310.pth'

@@ -52,7 +52,7 @@ param_scheduler = [
 train_cfg = dict(max_epochs=30)
 auto_scale_lr = dict(base_batch_size=256)
 
-# start from the 224 model: the trained checkpoint of flatten-swin-b_8xb64_in1k.py
-# (or the official weights, converted to the classifier layout by
-# `python tools/download_weights.py flatten-swin-b --target classifier`)
-load_from = 'work_dirs/flatten-swin-b_8xb64_in1k/epoch_300.pth'
+# start from the 224 model, as the official fine-tuning does: the official FLatten-Swin-B
+# classifier (downloaded and converted with its head on first use), or your own training
+# (load_from='work_dirs/flatten-swin-b_8xb64_in1k/epoch_300.pth')
+load_from = 'flatten_mm://flatten-swin-b/classifier'
