@@ -11,6 +11,14 @@ inference path (the fused QuadTree CPU kernel when built). Rows give the medians
 ratios: ``onnx_vs_counterpart`` (ours / counterpart, both in ONNX Runtime) and
 ``onnx_vs_eager`` (ours in ONNX Runtime / ours eager); < 1 means ours in ONNX Runtime is
 faster.
+
+Cases that share a process disturb each other: ONNX Runtime's intra-op workers (and
+PyTorch's OpenMP threads) spin-wait for a while after a call, holding the cores the next
+case needs. Timed straight after QuadTree in ONNX Runtime, PVTv2-b0 took 119-133 ms at
+512² on 2 cores instead of the 81 ms it takes alone. So the sessions here do not spin
+(``ort_session(spinning=False)``) and every timed call follows one untimed call of the
+same case (``measure_alternating(lead_in=1)``): each case is timed as it runs back to
+back, as it would on a server.
 """
 import os.path as osp
 import tempfile
@@ -130,16 +138,16 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
                         del other
                     for n in threads:
                         torch.set_num_threads(n)
-                        ours = OnnxModel(path, threads=n)
+                        ours = OnnxModel(path, threads=n, spinning=False)
                         with torch.no_grad():
                             diff = max(max_relative_differences(target.module(x), ours(xn)))
                         cases = {'eager': lambda: target.module(x), 'onnx': lambda: ours(xn)}
                         if counterparts:
-                            theirs = ort_session(other_path, threads=n)
+                            theirs = ort_session(other_path, threads=n, spinning=False)
                             feed = {theirs.get_inputs()[0].name: xn}
                             cases['counterpart'] = lambda: theirs.run(None, feed)
                         t = measure_alternating(cases, torch.device('cpu'), warmup=warmup,
-                                                repeats=repeats)
+                                                repeats=repeats, lead_in=1)
                         row = dict(backbone=name, resolution=f'{hw[0]}x{hw[1]}', threads=n,
                                    eager_ms=_ms(t['eager']), onnx_ms=_ms(t['onnx']),
                                    onnx_vs_eager=round(t['onnx'].median / t['eager'].median, 3))

@@ -41,11 +41,14 @@ def _sync(device: torch.device) -> None:
 
 def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.device,
                         warmup: int = 2, repeats: int = 10,
-                        grad: bool = False) -> Dict[str, Timing]:
+                        grad: bool = False, lead_in: int = 0) -> Dict[str, Timing]:
     """Time callables round-robin: ``warmup`` untimed rounds, then ``repeats`` rounds
     in which every case runs once (in turn).
 
-    The order of the cases rotates from round to round.
+    The order of the cases rotates from round to round. ``lead_in`` untimed calls of the
+    same case precede each timed call: a runtime whose worker threads spin-wait after a
+    call (ONNX Runtime, OpenMP) slows whatever runs next in the process, so without them
+    each case would be timed in the wake of the previous, different one.
 
     Args:
         cases: name -> zero-argument callable (one forward).
@@ -53,6 +56,7 @@ def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.devic
         warmup: untimed rounds.
         repeats: timed rounds.
         grad: run with autograd enabled (training steps); default ``torch.no_grad()``.
+        lead_in: untimed calls of a case right before each of its timed calls.
 
     Returns:
         name -> ``Timing`` with ``repeats`` entries.
@@ -70,6 +74,9 @@ def measure_alternating(cases: Dict[str, Callable[[], Any]], device: torch.devic
             # trashing) neighbour
             k = r % max(1, len(items))
             for name, fn in items[k:] + items[:k]:
+                for _ in range(lead_in):
+                    fn()
+                _sync(device)
                 if device.type == 'cuda':
                     start = torch.cuda.Event(enable_timing=True)
                     end = torch.cuda.Event(enable_timing=True)

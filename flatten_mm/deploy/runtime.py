@@ -40,13 +40,21 @@ def check_input_shape(meta: Dict[str, str], shape: Sequence[int], path: str = 't
                      f'got {H}x{W}')
 
 
-def ort_session(path: str, providers=('CPUExecutionProvider', ), threads: int = 0):
+def ort_session(path: str, providers=('CPUExecutionProvider', ), threads: int = 0,
+                spinning: bool = True):
     """An ``onnxruntime.InferenceSession`` of any ``.onnx`` file: errors-only logging (no
     unused-initializer warnings), ``threads`` intra-op threads and one inter-op thread
-    (0: ONNX Runtime's defaults)."""
+    (0: ONNX Runtime's defaults).
+
+    ``spinning=False`` lets the intra-op workers sleep as soon as a call ends
+    (``session.intra_op.allow_spinning=0``) instead of spin-waiting for the next call and
+    taking the cores from whatever else runs in the process meanwhile; a server that runs
+    one session back to back keeps the default."""
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if not spinning:
+        opts.add_session_config_entry('session.intra_op.allow_spinning', '0')
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -63,15 +71,17 @@ class OnnxModel:
         path: the ``.onnx`` file.
         providers: ONNX Runtime execution providers (default CPU).
         threads: intra-op threads (0: ONNX Runtime's default).
+        spinning: let idle intra-op workers spin-wait (see ``ort_session``).
     """
 
-    def __init__(self, path: str, providers=('CPUExecutionProvider', ), threads: int = 0):
+    def __init__(self, path: str, providers=('CPUExecutionProvider', ), threads: int = 0,
+                 spinning: bool = True):
         self.path = path
         self.meta = read_metadata(path)
         if 'min_hw' not in self.meta:
             raise ValueError(f'{path} has no flatten_mm size metadata: export it with '
                              'flatten_mm.deploy.export_onnx / tools/deployment/export_onnx.py')
-        self.session = ort_session(path, providers, threads)
+        self.session = ort_session(path, providers, threads, spinning=spinning)
         self.input_name = self.session.get_inputs()[0].name
         self.output_names = [o.name for o in self.session.get_outputs()]
 

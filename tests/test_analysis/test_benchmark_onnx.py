@@ -36,8 +36,69 @@ def test_backbone_without_counterpart_is_refused():
         bo.onnx_rows(['flatten-pvt-tiny'], [(64, 64)])
 
 
-def test_cli_writes_paired_rows(tmp_path):
+def test_lead_in_calls_precede_every_timed_call():
+    """With ``lead_in=1`` every timed call of a case follows an untimed call of the same
+    case, whatever ran before it."""
+    from benchmarks.core.timing import measure_alternating
+    log = []
+    cases = {name: (lambda name=name: log.append(name)) for name in 'abc'}
+    t = measure_alternating(cases, torch.device('cpu'), warmup=1, repeats=4, lead_in=1)
+    assert all(len(t[name].wall) == 4 for name in 'abc')
+    timed = log[3:]  # after the warm-up round: pairs (lead-in, timed call)
+    assert len(timed) == 2 * 3 * 4
+    assert all(timed[i] == timed[i + 1] for i in range(0, len(timed), 2))
+    # the order still rotates: the first case of each round changes
+    assert [timed[6 * r] for r in range(4)] == ['a', 'b', 'c', 'a']
+
+
+def _relu_onnx(path):
+    import onnx
+    from onnx import TensorProto, helper
+    graph = helper.make_graph(
+        [helper.make_node('Relu', ['x'], ['y'])], 'relu',
+        [helper.make_tensor_value_info('x', TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info('y', TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 18)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_ort_session_can_turn_spinning_off(tmp_path):
     pytest.importorskip('onnxruntime')
+    import numpy as np
+
+    from flatten_mm.deploy.runtime import ort_session
+    path = tmp_path / 'relu.onnx'
+    _relu_onnx(path)
+    key = 'session.intra_op.allow_spinning'
+    quiet = ort_session(str(path), threads=2, spinning=False)
+    assert quiet.get_session_options().get_session_config_entry(key) == '0'
+    default = ort_session(str(path), threads=2)
+    with pytest.raises(RuntimeError, match='does not have configuration'):
+        default.get_session_options().get_session_config_entry(key)
+    x = np.array([[-1, 2, -3, 4]], np.float32)
+    np.testing.assert_array_equal(quiet.run(None, {'x': x})[0], np.maximum(x, 0))
+
+
+def test_cli_writes_paired_rows(tmp_path, monkeypatch):
+    """Both sessions are timed without spin-waiting workers, each timed call after a call
+    of the same case (see ``benchmarks/core/onnx.py``)."""
+    pytest.importorskip('onnxruntime')
+    from benchmarks.core import timing
+    from flatten_mm.deploy import runtime
+    spinning_seen, lead_in_seen = [], []
+    real_session, real_measure = runtime.ort_session, timing.measure_alternating
+
+    def session(*args, spinning=True, **kwargs):
+        spinning_seen.append(spinning)
+        return real_session(*args, spinning=spinning, **kwargs)
+
+    def measure(*args, lead_in=0, **kwargs):
+        lead_in_seen.append(lead_in)
+        return real_measure(*args, lead_in=lead_in, **kwargs)
+
+    monkeypatch.setattr(runtime, 'ort_session', session)
+    monkeypatch.setattr(timing, 'measure_alternating', measure)
     out = tmp_path / 'rows.csv'
     n = torch.get_num_threads()
     try:
@@ -49,6 +110,8 @@ def test_cli_writes_paired_rows(tmp_path):
     rows = list(csv.DictReader(open(out)))
     assert [(r['resolution'], r['counterpart']) for r in rows] == [
         ('64x64', 'pvt-v2-b0 (timm)'), ('96x64', 'pvt-v2-b0 (timm)')]
+    assert spinning_seen == [False] * 4  # ours and the counterpart, at both sizes
+    assert lead_in_seen == [1, 1]
     for r in rows:
         assert float(r['max_rel_diff']) < 1e-4
         assert float(r['onnx_vs_counterpart']) == pytest.approx(
