@@ -162,8 +162,13 @@ def test_backbones_train_as_with_the_op_by_op_core(cls_name, with_cp, monkeypatc
     monkeypatch.setattr(fla, '_focused_linear_core_torch', _op_by_op)
     ref_outs, ref_grads = _step(_tiny(cls_name, with_cp), x.clone().requires_grad_(with_cp))
     assert grads.keys() == ref_grads.keys()
+    # relative to the largest magnitude (an element-wise rtol fails on entries near zero:
+    # 1.05e-6 off at a value of 3.6e-3 after eight Swin blocks on an AVX-512 Xeon, while
+    # every output is within 6e-7 of its largest value)
     for a, b in zip(outs, ref_outs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert a.shape == b.shape
+        err = (a - b).abs().max() / b.abs().max()
+        assert err < 1e-5, err.item()
     for name in grads:  # relative to the gradient's largest magnitude
         err = (grads[name] - ref_grads[name]).abs().max() / ref_grads[name].abs().max()
         assert err < 1e-4, (name, err.item())
