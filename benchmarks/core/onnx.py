@@ -17,8 +17,8 @@ PyTorch's OpenMP threads) spin-wait for a while after a call, holding the cores 
 case needs. Timed straight after QuadTree in ONNX Runtime, PVTv2-b0 took 119-133 ms at
 512² on 2 cores instead of the 81 ms it takes alone. So the sessions here do not spin
 (``ort_session(spinning=False)``) and every timed call follows one untimed call of the
-same case (``measure_alternating(lead_in=1)``): each case is timed as it runs back to
-back, as it would on a server.
+same case (``measure_alternating(lead_in=1)``): each case is timed after a call of its
+own, not in the wake of another.
 """
 import os.path as osp
 import tempfile
