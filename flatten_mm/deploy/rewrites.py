@@ -11,6 +11,11 @@ configs use). Each rewrite computes the same values in a form torch.export keeps
   decomposes it into gathers at indices computed for the export size (the file failed
   at a second size: ``GatherND ... invalid index``). The rewrite averages each bin
   ``[floor(i H / n), ceil((i + 1) H / n))`` as a slice, the bins PyTorch uses.
+* ``torch.nn.GELU`` (exact, ``approximate='none'``): the exporter writes
+  ``x * (0.5 * (1 + erf(x / sqrt 2)))``, which ONNX Runtime's GELU fusion does not match
+  (it runs as five element-wise ops over the MLP's hidden map); the rewrite writes
+  ``(x * 0.5) * (1 + erf(x / sqrt 2))``, the same function, which ONNX Runtime fuses
+  into one ``Gelu`` kernel (opset 18 has no GELU operator; ``Gelu`` is opset 20).
 * two-stage mmdet detectors (RPN proposals, RoI extractor, RoIAlign, mmdet's legacy ONNX
   branches): ``two_stage.two_stage_rewrites``, see there.
 
@@ -20,6 +25,7 @@ dynamo ONNX exporter runs) they take the forms ONNX Runtime runs fast themselves
 also for a user's own ``torch.onnx.export`` call.
 """
 import contextlib
+import math
 from typing import Iterator, List
 
 import torch
@@ -43,6 +49,16 @@ def _adaptive_avg_pool2d_forward(original):
                 x[..., h0:h1, (j * W) // ow:((j + 1) * W + ow - 1) // ow].mean(
                     (-2, -1), keepdim=True) for j in range(ow)], -1))
         return torch.cat(rows, -2)
+
+    return forward
+
+
+def _gelu_forward(original):
+
+    def forward(self, x):
+        if self.approximate != 'none':
+            return original(self, x)
+        return (x * 0.5) * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
     return forward
 
@@ -79,6 +95,10 @@ def export_rewrites() -> Iterator[List[str]]:
     pool.forward = _adaptive_avg_pool2d_forward(original_pool)
     undo.append(lambda: setattr(pool, 'forward', original_pool))
     applied.append('torch.nn.AdaptiveAvgPool2d (bins as slices)')
+    original_gelu = nn.GELU.forward
+    nn.GELU.forward = _gelu_forward(original_gelu)
+    undo.append(lambda: setattr(nn.GELU, 'forward', original_gelu))
+    applied.append('torch.nn.GELU (the form ONNX Runtime fuses)')
     stack = contextlib.ExitStack()
     undo.append(stack.close)
     applied.extend(stack.enter_context(two_stage_rewrites()))
