@@ -73,7 +73,8 @@ setup(
     # C++ source of the optional CPU kernel, compiled on first use (ops/quadtree_cpu.py),
     # and the Triton kernels' shared-memory limit table the dispatch reads (kernel_limits.py)
     package_data={
-        'flatten_mm.models.ops': ['csrc/*.cpp', 'kernel_limits.json'],
+        'flatten_mm.models.ops': ['csrc/*.cpp', 'csrc/*.h', 'kernel_limits.json'],
+        'flatten_mm.deploy': ['csrc/*.cpp'],
         # the mim extension (add_mim_extension above)
         'flatten_mm': ['.mim/model-index.yml', '.mim/configs/**/*.py', '.mim/configs/**/*.yml',
                        '.mim/configs/**/*.md', '.mim/tools/**/*.py', '.mim/tools/**/*.sh'],

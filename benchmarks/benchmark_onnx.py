@@ -5,7 +5,7 @@ and against the softmax counterpart exported the same way (paired protocol).
         --csv docs/benchmarks/cpu_onnx_pairs.csv
     python benchmarks/benchmark_onnx.py --backbones quadtree-b-pvt-v2-b0 --resolutions 256
 
-See benchmarks/core/onnx.py. Prints one row per backbone, size and thread count: medians
+See benchmarks/core/onnx.py. Prints one row per backbone, graph, size and thread count: medians
 of ours eager, ours in ONNX Runtime and the counterpart in ONNX Runtime, the ratios
 ``onnx_vs_eager`` and ``onnx_vs_counterpart``, and the worst relative output difference.
 """
@@ -28,6 +28,9 @@ def main(argv=None) -> int:
                    help='intra-op thread counts of both sides, comma-separated')
     p.add_argument('--no-counterpart', action='store_true',
                    help='time ours only (eager and ONNX Runtime)')
+    p.add_argument('--no-custom-ops', action='store_true',
+                   help="time the standard-operator graph only (not also the graph with "
+                        "flatten_mm's ONNX Runtime operators, where it differs)")
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--csv', help='write the rows to this CSV file')
@@ -36,6 +39,7 @@ def main(argv=None) -> int:
                      bm.parse_resolutions(args.resolutions), threads=bm.parse_ints(args.threads),
                      warmup=args.warmup, repeats=args.repeats,
                      counterparts=not args.no_counterpart,
+                     custom_ops=not args.no_custom_ops,
                      on_row=lambda r: print(r, flush=True))
     print(bm.format_table(rows, [(k, k) for k in rows[0]]))
     if args.csv:

@@ -14,6 +14,10 @@
 #   ~/.cache/flatten_mm/wheels), outside the checkout, so later runs and CI reuse it.
 # * mmdet / mmseg / mmpretrain are installed with --no-deps because their own requirement
 #   pins are ancient; their runtime needs are listed as extras of our setup.py.
+# * flatten_mm's ONNX Runtime operators (flatten_mm/deploy/ort_ops.py) compile against ONNX
+#   Runtime's C API headers, which the onnxruntime wheels do not ship: they are taken once
+#   from Debian's libonnxruntime-dev package (checked against the package index) into
+#   ~/.cache/flatten_mm/ext/ort_headers.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 
@@ -133,5 +137,16 @@ with warnings.catch_warnings():
     warnings.simplefilter('ignore')
     cpu_kernels.quadtree_level_kernel()
 print('flatten_mm CPU kernels:', cpu_kernels.status())
+PYEOF
+log "building flatten_mm's ONNX Runtime operators (headers from Debian's libonnxruntime-dev, once)"
+"$VPY" - <<'PYEOF' || log "(optional: export_onnx(custom_ops=True) falls back to standard operators)"
+import warnings
+from flatten_mm.deploy import ort_ops
+if ort_ops.header_dir() is None:
+    print('fetched ONNX Runtime headers into', ort_ops.fetch_headers())
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    ort_ops.library_path()
+print('flatten_mm ONNX Runtime operators:', ort_ops.status())
 PYEOF
 log "done: activate with 'source $VENV/bin/activate'"

@@ -552,10 +552,14 @@ def test_installed_package_carries_the_mim_files(installed_copy):
 
 def test_installed_package_has_its_data_and_no_developer_tooling(installed_copy):
     """`pip install .` carries the files the models read at run time (the CPU kernel's
-    source, the Triton kernels' limit table) and nothing of benchmarks/ or dev/."""
+    and the ONNX Runtime operators' sources, the Triton kernels' limit table) and nothing
+    of benchmarks/ or dev/."""
     ops = osp.join(installed_copy, 'flatten_mm', 'models', 'ops')
     assert osp.isfile(osp.join(ops, 'kernel_limits.json'))
     assert osp.isfile(osp.join(ops, 'csrc', 'quadtree_cpu.cpp'))
+    assert osp.isfile(osp.join(ops, 'csrc', 'quadtree_level.h'))
+    assert osp.isfile(osp.join(installed_copy, 'flatten_mm', 'deploy', 'csrc',
+                               'quadtree_ort.cpp'))
     installed = [osp.relpath(osp.join(d, f), installed_copy)
                  for d, _, files in os.walk(installed_copy) for f in files]
     dev_names = ('benchmark', 'parity', 'sweep', 'gpu_kernel_check', 'gpu_session',
@@ -661,7 +665,10 @@ def test_mim_download_then_tools_test(installed_copy, tmp_path):
 SNIPPET_DOCS = sorted([osp.join(REPO_ROOT, 'README.md'), osp.join(REPO_ROOT, 'docs', 'get_started.md')]
                       + glob.glob(osp.join(REPO_ROOT, 'docs', 'user_guides', '*.md')))
 #: python blocks that are shown, not run here, and where they are run instead
-NOT_RUN = {'OnnxModel(': 'needs an exported .onnx file; tests/test_deploy runs OnnxModel'}
+NOT_RUN = {'OnnxModel(': 'needs an exported .onnx file; tests/test_deploy runs OnnxModel',
+           'register_custom_ops_library(': 'needs the built operator library and an exported '
+                                           'file; tests/test_deploy/test_ort_custom_ops.py '
+                                           'registers it'}
 SCHEME_NAME = re.compile(r"flatten_mm://([\w.-]+)")
 
 

@@ -7,10 +7,12 @@ Per backbone, size and thread count, one process times round-robin
 Runtime (timm's ``features_only`` model of the same family -- for SimA-XCiT with the same dense
 adapters as ours --, exported by ``torch.onnx.export(dynamo=True)`` at the same size and
 opset). Eager runs the default
-inference path (the fused QuadTree CPU kernel when built). Rows give the medians and two
-ratios: ``onnx_vs_counterpart`` (ours / counterpart, both in ONNX Runtime) and
-``onnx_vs_eager`` (ours in ONNX Runtime / ours eager); < 1 means ours in ONNX Runtime is
-faster.
+inference path (the fused QuadTree CPU kernel when built). Where flatten_mm's ONNX Runtime
+operators change the graph (QuadTree's levels, ``export_onnx(custom_ops=True)``), ours is
+exported both ways and timed in the same rounds: one row per graph (``graph``: ``standard``
+or ``flatten_mm ops``). Rows give the medians and two ratios: ``onnx_vs_counterpart`` (ours
+/ counterpart, both in ONNX Runtime) and ``onnx_vs_eager`` (ours in ONNX Runtime / ours
+eager); < 1 means ours in ONNX Runtime is faster.
 
 Cases that share a process disturb each other: ONNX Runtime's intra-op workers (and
 PyTorch's OpenMP threads) spin-wait for a while after a call, holding the cores the next
@@ -84,8 +86,8 @@ def export_plain(model: nn.Module, x: torch.Tensor, path: str, opset: int = 18) 
 def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
               sizes: Sequence[Tuple[int, int]] = ((512, 512), ),
               threads: Sequence[int] = (2, ), warmup: int = 2, repeats: int = 5,
-              counterparts: bool = True, workdir: Optional[str] = None,
-              on_row=None) -> List[Dict[str, object]]:
+              counterparts: bool = True, custom_ops: bool = True,
+              workdir: Optional[str] = None, on_row=None) -> List[Dict[str, object]]:
     """One row per backbone, size and thread count (batch 1, random weights).
 
     Args:
@@ -97,11 +99,13 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
         warmup: untimed rounds.
         repeats: timed rounds.
         counterparts: also time the counterpart in ONNX Runtime.
+        custom_ops: also time ours exported with flatten_mm's ONNX Runtime operators,
+            where that changes the graph.
         workdir: where the ``.onnx`` files go (default: a temporary folder).
         on_row: called with each row as soon as it is measured.
 
     Returns:
-        Rows: ``backbone, resolution, threads, eager_ms, onnx_ms, onnx_vs_eager`` and, with
+        Rows: ``backbone, graph, resolution, threads, eager_ms, onnx_ms, onnx_vs_eager`` and, with
         ``counterparts``, ``counterpart, counterpart_onnx_ms, onnx_vs_counterpart``; then
         ``max_rel_diff`` (ours in ONNX Runtime vs eager, worst output) and ``repeats``.
         Times are medians.
@@ -128,6 +132,11 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
                     target = backbone_target(name, ours_model)
                     path = osp.join(folder, f'{name}_{hw[0]}x{hw[1]}.onnx')
                     export_onnx(target, path, hw, dynamic=False)
+                    graphs = {'standard': path}
+                    if custom_ops:
+                        path_ops = osp.join(folder, f'{name}_{hw[0]}x{hw[1]}_ops.onnx')
+                        if export_onnx(target, path_ops, hw, custom_ops=True).meta['custom_ops']:
+                            graphs['flatten_mm ops'] = path_ops
                     x = target.example_input(hw)
                     xn = x.numpy()
                     label = other_path = None
@@ -138,28 +147,33 @@ def onnx_rows(names: Sequence[str] = DEFAULT_BACKBONES,
                         del other
                     for n in threads:
                         torch.set_num_threads(n)
-                        ours = OnnxModel(path, threads=n, spinning=False)
+                        ours = {g: OnnxModel(p, threads=n, spinning=False)
+                                for g, p in graphs.items()}
                         with torch.no_grad():
-                            diff = max(max_relative_differences(target.module(x), ours(xn)))
-                        cases = {'eager': lambda: target.module(x), 'onnx': lambda: ours(xn)}
+                            ref = target.module(x)
+                        diff = {g: max(max_relative_differences(ref, m(xn)))
+                                for g, m in ours.items()}
+                        cases = {'eager': lambda: target.module(x)}
+                        cases.update({g: (lambda m=m: m(xn)) for g, m in ours.items()})
                         if counterparts:
                             theirs = ort_session(other_path, threads=n, spinning=False)
                             feed = {theirs.get_inputs()[0].name: xn}
                             cases['counterpart'] = lambda: theirs.run(None, feed)
                         t = measure_alternating(cases, torch.device('cpu'), warmup=warmup,
                                                 repeats=repeats, lead_in=1)
-                        row = dict(backbone=name, resolution=f'{hw[0]}x{hw[1]}', threads=n,
-                                   eager_ms=_ms(t['eager']), onnx_ms=_ms(t['onnx']),
-                                   onnx_vs_eager=round(t['onnx'].median / t['eager'].median, 3))
-                        if counterparts:
-                            row.update(counterpart=label,
-                                       counterpart_onnx_ms=_ms(t['counterpart']),
-                                       onnx_vs_counterpart=round(
-                                           t['onnx'].median / t['counterpart'].median, 3))
-                        row.update(max_rel_diff=f'{diff:.2e}', repeats=repeats)
-                        rows.append(row)
-                        if on_row is not None:
-                            on_row(row)
+                        for g in graphs:
+                            row = dict(backbone=name, graph=g, resolution=f'{hw[0]}x{hw[1]}',
+                                       threads=n, eager_ms=_ms(t['eager']), onnx_ms=_ms(t[g]),
+                                       onnx_vs_eager=round(t[g].median / t['eager'].median, 3))
+                            if counterparts:
+                                row.update(counterpart=label,
+                                           counterpart_onnx_ms=_ms(t['counterpart']),
+                                           onnx_vs_counterpart=round(
+                                               t[g].median / t['counterpart'].median, 3))
+                            row.update(max_rel_diff=f'{diff[g]:.2e}', repeats=repeats)
+                            rows.append(row)
+                            if on_row is not None:
+                                on_row(row)
     finally:
         torch.set_num_threads(previous)
     return rows

@@ -7,6 +7,8 @@
   file's ``metadata_props``.
 * ``runtime``: ``OnnxModel``, an ONNX Runtime session that reads that metadata and
   refuses input sizes the file is not valid for.
+* ``ort_ops``: flatten_mm's ONNX Runtime operator library (QuadTree's levels as one node
+  each, ``export_onnx(custom_ops=True)``): build, locate, register.
 
 The latency benchmark against eager PyTorch is ``benchmarks/benchmark_onnx.py`` in a
 checkout.

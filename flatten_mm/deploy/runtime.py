@@ -44,15 +44,21 @@ def ort_session(path: str, providers=('CPUExecutionProvider', ), threads: int = 
                 spinning: bool = True):
     """An ``onnxruntime.InferenceSession`` of any ``.onnx`` file: errors-only logging (no
     unused-initializer warnings), ``threads`` intra-op threads and one inter-op thread
-    (0: ONNX Runtime's defaults).
+    (0: ONNX Runtime's defaults), and flatten_mm's operator library registered when the
+    file uses it (``ort_ops``; ``RuntimeError`` saying why when it cannot be built).
 
     ``spinning=False`` lets the intra-op workers sleep as soon as a call ends
     (``session.intra_op.allow_spinning=0``) instead of spin-waiting for the next call and
     taking the cores from whatever else runs in the process meanwhile; a server that runs
     one session back to back keeps the default."""
+    import onnx
     import onnxruntime as ort
+
+    from . import ort_ops
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if ort_ops.uses_custom_ops(onnx.load(path, load_external_data=False)):
+        ort_ops.register(opts)
     if not spinning:
         opts.add_session_config_entry('session.intra_op.allow_spinning', '0')
     if threads:

@@ -112,6 +112,9 @@ def test_quadtree_graph_gathers_tiles_not_tokens(attn_type, tmp_path):
     target = backbone_target('quadtree', model)
     result = export_onnx(target, str(tmp_path / 'qt.onnx'), hw)
     assert max(compare_with_pytorch(target, result.path, [hw])[0].diffs) <= TOL
+    # the faster form with flatten_mm's ONNX Runtime operator is named (test_ort_custom_ops)
+    assert any('custom_ops=True (--custom-ops) writes flatten_mm::QuadTreeLevel' in m
+               for m in result.messages), result.messages
     graph = onnx.shape_inference.infer_shapes(onnx.load(result.path))
     value_info = {v.name: v for v in list(graph.graph.value_info) + list(graph.graph.input)}
     ops = [n.op_type for n in graph.graph.node]
@@ -135,6 +138,7 @@ def test_fla_graph_has_no_token_mean(tmp_path):
     assert max(compare_with_pytorch(target, result.path, [EXPORT_HW])[0].diffs) <= TOL
     ops = {n.op_type for n in onnx.load(result.path).graph.node}
     assert 'MatMul' in ops and not {'ReduceMean', 'ReduceSum'} & ops, ops
+    assert not any('--custom-ops' in m for m in result.messages)  # nothing to gain
 
 
 def test_export_leaves_no_traced_mask_in_the_window_cache(tmp_path):
@@ -169,12 +173,12 @@ def test_dynamic_range_starts_where_torch_export_succeeds(tmp_path, monkeypatch)
     from flatten_mm.deploy import export as export_mod
     real, tried = export_mod._torch_export, []
 
-    def refuse_below_64(module, x, path, opset, shapes, names):
+    def refuse_below_64(module, x, path, opset, shapes, names, custom_ops=False):
         if shapes is not None:
             tried.append(shapes[0][2].min)
             if shapes[0][2].min < 64:
                 raise RuntimeError('Constraints violated (height)!')
-        return real(module, x, path, opset, shapes, names)
+        return real(module, x, path, opset, shapes, names, custom_ops)
 
     monkeypatch.setattr(export_mod, '_torch_export', refuse_below_64)
     target = backbone_target('FLattenPVTv2', build('FLattenPVTv2'))

@@ -1,7 +1,7 @@
 """Export a backbone, mmseg segmentor or mmdet detector to ONNX (and check it in ONNX Runtime).
 
     python tools/deployment/export_onnx.py CONFIG [CHECKPOINT] -o model.onnx \
-        [--shape H W] [--dynamic] [--opset N] [--check]
+        [--shape H W] [--dynamic] [--opset N] [--custom-ops] [--check]
     python tools/deployment/export_onnx.py --backbone flatten-pvt-v2-b0 -o bb.onnx --dynamic --check
 
 Segmentors: the decode-head logits of ``mode='tensor'``; detectors: the raw head outputs
@@ -11,7 +11,10 @@ tuple of NCHW maps. The size range the file is valid for is printed and stored i
 file's metadata; ``flatten_mm.deploy.OnnxModel`` refuses other sizes. ``--check`` runs
 the file in ONNX Runtime (CPU) on the bundled demo image and prints the max relative
 difference to PyTorch per output (at the export size, and with ``--dynamic`` at a
-second, non-square size too); it exits 1 when one exceeds ``--tol``.
+second, non-square size too); it exits 1 when one exceeds ``--tol``. ``--custom-ops``
+writes flatten_mm's ONNX Runtime operators where the model has them (QuadTree: ~2x faster
+in ONNX Runtime); the file then needs their library where it runs (printed; see
+docs/user_guides/deploy.md).
 """
 import argparse
 import os.path as osp
@@ -31,6 +34,9 @@ def parse_args(argv=None):
                    help='export input H [W] (default 512 512; one value: square)')
     p.add_argument('--dynamic', action='store_true', help='one file for any H x W in range')
     p.add_argument('--opset', type=int, default=18, help='ONNX opset (default 18)')
+    p.add_argument('--custom-ops', action='store_true',
+                   help="use flatten_mm's ONNX Runtime operators where the model has them "
+                        '(QuadTree levels); the file then needs their library to run')
     p.add_argument('--check', action='store_true',
                    help='compare ONNX Runtime with PyTorch on the bundled demo image')
     p.add_argument('--check-shape', type=int, nargs=2, metavar=('H', 'W'),
@@ -57,7 +63,8 @@ def main(argv=None) -> int:
     hw = hw * 2 if len(hw) == 1 else hw
     target = (backbone_target(args.backbone) if args.backbone else
               config_target(args.config, args.checkpoint, args.cfg_options))
-    result = export_onnx(target, args.output, hw, dynamic=args.dynamic, opset=args.opset)
+    result = export_onnx(target, args.output, hw, dynamic=args.dynamic, opset=args.opset,
+                         custom_ops=args.custom_ops)
     meta = result.meta
     print(f'wrote {args.output}: {target.kind} {target.name}, opset {args.opset}')
     print(f'  input: {meta["input"]}')
@@ -66,6 +73,10 @@ def main(argv=None) -> int:
         print(f'  note: {note}')
     for msg in result.messages:
         print(f'  {msg}')
+    if meta['custom_ops']:
+        from flatten_mm.deploy import ort_ops
+        print(f'  operator library: {ort_ops.library_path()} (register it with '
+              'SessionOptions.register_custom_ops_library)')
     lo, hi = result.min_hw, result.max_hw
     if result.dynamic:
         print(f'  valid input sizes: H in [{lo[0]}, {hi[0]}], W in [{lo[1]}, {hi[1]}] (dynamic)')

@@ -58,7 +58,8 @@ Implementation notes:
   ``ops.capture``) the finer inference levels take the tile form of
   ``ops.quadtree_tiles``: one gather of whole 2x2 key / value tiles per selected cell and
   batched products, in one piece (no chunk loop to unroll, no ``embedding_bag``, which
-  exports as a loop over bags).
+  exports as a loop over bags); inside ``ops.capture.runtime_custom_ops()`` each level is
+  one ``ops.quadtree_graph_op`` node instead, for a runtime with flatten_mm's operator.
 """
 import dataclasses
 import functools
@@ -75,7 +76,8 @@ from ..ops import quadtree_cpu as cpu_kernels
 from ..ops import specialisation as spec
 from ..ops.autograd_paths import (autocast_operands, differentiate_reference, recorded_eagerly,
                                   records_backward_graph, register_reference)
-from ..ops.capture import graph_capture
+from ..ops.capture import custom_ops_requested, graph_capture
+from ..ops.quadtree_graph_op import finer_level_graph_op
 from ..ops.layout import tokens_as_map
 from ..ops.quadtree_layout import (child_candidates, children_to_raster, flat_rows,
                                    group_children, level_queries, to_heads, upsample_tokens)
@@ -747,7 +749,9 @@ def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor
     if graph_capture() and run.margin_recorder is None:
         # a graph for a runtime: the tile form, dense batched ops in one piece (a traced
         # chunk loop would be unrolled, and embedding_bag exports as a loop over bags)
-        msg, run.prev_idx, run.prev_score = finer_level_tiles(
+        # (one runtime operator per level where the exporter asked for it)
+        tiles = finer_level_graph_op if custom_ops_requested() else finer_level_tiles
+        msg, run.prev_idx, run.prev_score = tiles(
             query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp,
             run.attn_type, None if final else run.topks[i], init)
         return msg

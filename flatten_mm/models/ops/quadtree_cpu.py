@@ -35,6 +35,8 @@ ENV_REQUIRE = 'FLATTEN_MM_REQUIRE_CPU_KERNELS'
 ENV_ISA = 'FLATTEN_MM_CPU_ISA'
 _OPS = ('quadtree_level', 'quadtree_level_backward')
 _SOURCE = osp.join(osp.dirname(osp.abspath(__file__)), 'csrc', 'quadtree_cpu.cpp')
+#: what the build depends on besides the source (its digest names the cached build)
+_HEADERS = (osp.join(osp.dirname(_SOURCE), 'quadtree_level.h'), )
 
 _lock = threading.Lock()
 _loaded: Optional[bool] = None  # None: not tried yet
@@ -42,7 +44,7 @@ _error: Optional[str] = None
 _override: Optional[bool] = None  # set by ``use_cpu_kernels``
 
 
-def _isa_flags() -> list:
+def isa_flags() -> list:
     """``-mavx2 -mfma`` where the CPU has them (x86-64), else the compiler's baseline
     (also with ``FLATTEN_MM_CPU_ISA=generic``: the portable loops, e.g. to test them)."""
     if os.environ.get(ENV_ISA, '').strip().lower() == 'generic':
@@ -61,6 +63,12 @@ def _isa_flags() -> list:
 
 def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip().lower() not in ('0', 'false', 'no', 'off', '')
+
+
+def build_required() -> bool:
+    """Whether a failed build of our compiled code (this kernel, the ONNX Runtime
+    operators of ``deploy.ort_ops``) is an error: ``FLATTEN_MM_REQUIRE_CPU_KERNELS=1``."""
+    return _env_flag(ENV_REQUIRE, '0')
 
 
 def enabled() -> bool:
@@ -84,9 +92,12 @@ def use_cpu_kernels(flag: bool) -> Iterator[None]:
 def _build() -> None:
     global _loaded, _error
     from torch.utils import cpp_extension  # late: it imports setuptools; only a build needs it
-    isa = _isa_flags()
-    with open(_SOURCE, 'rb') as f:
-        digest = hashlib.sha1(f.read() + ' '.join(isa).encode()).hexdigest()[:10]
+    isa = isa_flags()
+    digest = hashlib.sha1(' '.join(isa).encode())
+    for path in (_SOURCE, ) + _HEADERS:
+        with open(path, 'rb') as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:10]
     name = f'flatten_mm_cpu_{digest}'
     root = os.environ.get('FLATTEN_MM_EXT_DIR') or osp.join(
         os.environ.get('XDG_CACHE_HOME') or osp.expanduser('~/.cache'), 'flatten_mm', 'ext')
@@ -117,12 +128,12 @@ def quadtree_level_kernel() -> Optional[Callable]:
                 except Exception as e:  # no compiler, no headers, ...
                     _loaded = False
                     _error = f'{type(e).__name__}: {e}'
-                if not _loaded and not _env_flag(ENV_REQUIRE, '0'):
+                if not _loaded and not build_required():
                     warnings.warn(
                         'flatten_mm: the fused QuadTree CPU kernel could not be built; using '
                         f'the pure-PyTorch path (same results, slower). Reason: {_error}',
                         RuntimeWarning, stacklevel=2)
-    if not _loaded and _env_flag(ENV_REQUIRE, '0'):
+    if not _loaded and build_required():
         raise RuntimeError(f'flatten_mm: the fused QuadTree CPU kernel could not be built '
                            f'({ENV_REQUIRE} is set): {_error}')
     return torch.ops.flatten_mm.quadtree_level if _loaded else None
