@@ -3,9 +3,10 @@
 One operator today, ``flatten_mm::QuadTreeLevel`` (``csrc/quadtree_ort.cpp``): a finer
 level of QuadTree attention by the same C++ forward as the fused PyTorch CPU kernel,
 reading each parent's candidate keys in place. The plain-operator graph of a level writes
-the gathered ``(N, 4K, d)`` key and value tiles out first and is ~2x slower in ONNX
-Runtime (docs/user_guides/deploy.md); ``export_onnx(..., custom_ops=True)`` writes the
-operator instead, and such a file needs this library wherever it runs.
+the gathered ``(N, 4K, d)`` key and value tiles out first: QuadTree-B-b0 is 1.7-1.9x
+slower in ONNX Runtime that way (docs/user_guides/deploy.md). ``export_onnx(...,
+custom_ops=True)`` writes the operator instead, and such a file needs this library
+wherever it runs.
 
 Building needs a C++17 compiler and ONNX Runtime's C API headers (no library to link:
 ONNX Runtime hands its API table to ``RegisterCustomOps``). The ``onnxruntime`` wheels
@@ -43,7 +44,10 @@ import urllib.request
 import warnings
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from ..models.ops import quadtree_cpu
+from ..models.ops import quadtree_graph_op  # noqa: F401 (defines the PyTorch graph operator)
 
 #: the operators' ONNX domain (``opset_import`` of a file that uses them)
 DOMAIN = 'flatten_mm'
@@ -253,11 +257,8 @@ def register(options) -> str:
 def translation_table() -> Dict:
     """``torch.onnx.export(custom_translation_table=...)`` entries: each of flatten_mm's
     graph operators (``models.ops.quadtree_graph_op``) -> one node of this library."""
-    import onnxscript
-    import torch
+    import onnxscript  # (the deploy extra)
     from onnx.defs import OpSchema
-
-    from ..models.ops import quadtree_graph_op  # noqa: F401 (defines the PyTorch op)
 
     param = OpSchema.FormalParameter
     attr = OpSchema.Attribute

@@ -4,6 +4,8 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
+from . import ort_ops
+
 #: prefix of our keys in the ONNX file's ``metadata_props``
 META_PREFIX = 'flatten_mm.'
 
@@ -53,8 +55,6 @@ def ort_session(path: str, providers=('CPUExecutionProvider', ), threads: int = 
     one session back to back keeps the default."""
     import onnx
     import onnxruntime as ort
-
-    from . import ort_ops
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if ort_ops.uses_custom_ops(onnx.load(path, load_external_data=False)):

@@ -12,7 +12,7 @@ file's metadata; ``flatten_mm.deploy.OnnxModel`` refuses other sizes. ``--check`
 the file in ONNX Runtime (CPU) on the bundled demo image and prints the max relative
 difference to PyTorch per output (at the export size, and with ``--dynamic`` at a
 second, non-square size too); it exits 1 when one exceeds ``--tol``. ``--custom-ops``
-writes flatten_mm's ONNX Runtime operators where the model has them (QuadTree: ~2x faster
+writes flatten_mm's ONNX Runtime operators where the model has them (QuadTree: 1.7-1.9x faster
 in ONNX Runtime); the file then needs their library where it runs (printed; see
 docs/user_guides/deploy.md).
 """
