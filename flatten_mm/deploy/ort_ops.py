@@ -13,8 +13,8 @@ ONNX Runtime hands its API table to ``RegisterCustomOps``). The ``onnxruntime`` 
 ship no headers; they are taken from, in order:
 
 1. ``$FLATTEN_MM_ORT_INCLUDE`` (a folder holding ``onnxruntime_c_api.h``, or its parent);
-2. the cache ``fetch_headers`` fills (``python -m flatten_mm.deploy.ort_ops fetch-headers``,
-   run by ``scripts/setup_env.sh``): Debian's ``libonnxruntime-dev`` package, checked
+2. the cache ``fetch_headers`` fills (``tools/deployment/build_ort_ops.py fetch-headers``, run by
+   ``scripts/setup_env.sh``): Debian's ``libonnxruntime-dev`` package, checked
    against the SHA-256 of the Debian package index;
 3. a system install (``/usr/include/onnxruntime``, ``/usr/local/include/onnxruntime``).
 
@@ -22,11 +22,8 @@ A library built against the headers of ONNX Runtime X loads in ONNX Runtime >= X
 API only grows). The build is cached under ``$FLATTEN_MM_EXT_DIR`` (default
 ``~/.cache/flatten_mm/ext``), keyed by the sources, the flags and the headers' API version.
 
-Command line: ``python -m flatten_mm.deploy.ort_ops {fetch-headers,build,status}``;
-``build`` prints the library's path, to copy next to a deployed model and register with
-``SessionOptions.register_custom_ops_library``.
+Command line: ``tools/deployment/build_ort_ops.py {fetch-headers,build,status}``.
 """
-import argparse
 import hashlib
 import io
 import lzma
@@ -36,7 +33,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import threading
@@ -51,6 +47,8 @@ from ..models.ops import quadtree_graph_op  # noqa: F401 (defines the PyTorch gr
 
 #: the operators' ONNX domain (``opset_import`` of a file that uses them)
 DOMAIN = 'flatten_mm'
+#: the command line that fetches the headers and builds the library
+TOOL = 'python tools/deployment/build_ort_ops.py'
 #: folder holding ``onnxruntime_c_api.h``, searched first
 ENV_INCLUDE = 'FLATTEN_MM_ORT_INCLUDE'
 #: Debian mirror and release ``fetch_headers`` reads (a release that has libonnxruntime-dev)
@@ -205,8 +203,8 @@ def library_path() -> Optional[str]:
             try:
                 if include is None:
                     raise RuntimeError(
-                        f'no ONNX Runtime C API headers ({_HEADER}): run `python -m '
-                        'flatten_mm.deploy.ort_ops fetch-headers`, or point '
+                        f'no ONNX Runtime C API headers ({_HEADER}): run `{TOOL} '
+                        f'fetch-headers` (or {__name__}.fetch_headers()), or point '
                         f'{ENV_INCLUDE} at an onnxruntime include folder')
                 _built[key] = _build(include)
             except Exception as e:  # no headers, no compiler, compile error
@@ -226,7 +224,7 @@ def status() -> str:
     """One line: the library's path, or why there is none."""
     include = header_dir()
     if include is None:
-        return f'unavailable: no ONNX Runtime headers (see python -m {__name__} fetch-headers)'
+        return f'unavailable: no ONNX Runtime headers (see {TOOL} fetch-headers)'
     key = include
     if key not in _built:
         return f'not built yet (headers: {include}, API {api_version(include)})'
@@ -247,8 +245,8 @@ def register(options) -> str:
     if library is None:
         raise RuntimeError(
             f'this ONNX file uses flatten_mm\'s ONNX Runtime operators ({DOMAIN} domain), '
-            f'which could not be built here: {status()}. Build them with `python -m '
-            f'{__name__} build`, or export again without custom_ops for a file of standard '
+            f'which could not be built here: {status()}. Build them with `{TOOL} '
+            'build`, or export again without custom_ops for a file of standard '
             'operators only')
     options.register_custom_ops_library(library)
     return library
@@ -283,26 +281,3 @@ def translation_table() -> Dict:
 
     return {torch.ops.flatten_mm_graph.quadtree_level.default: quadtree_level}
 
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog=f'python -m {__name__}', description=__doc__.split(
-        '\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('command', choices=('fetch-headers', 'build', 'status'))
-    parser.add_argument('--suite', default=DEBIAN_SUITE,
-                        help='Debian release to take libonnxruntime-dev from (fetch-headers)')
-    args = parser.parse_args(argv)
-    if args.command == 'fetch-headers':
-        print(fetch_headers(args.suite))
-    elif args.command == 'build':
-        library = library_path()
-        if library is None:
-            print(f'not built: {status()}', file=sys.stderr)
-            return 1
-        print(library)
-    else:
-        print(status())
-    return 0
-
-
-if __name__ == '__main__':
-    sys.exit(main())

@@ -267,3 +267,33 @@ def test_detector_config_exports_with_the_operators_through_the_tool(library, tm
     assert f'operator library: {library}' in text and 'OK: worst' in text
     assert read_metadata(out)['custom_ops'] == ort_ops.DOMAIN
     assert 'QuadTreeLevel' in {n.op_type for n in onnx.load(out).graph.node}
+
+
+def _build_tool():
+    import os.path as osp
+    import sys
+    root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+    sys.path.insert(0, osp.join(root, 'tools', 'deployment'))
+    import build_ort_ops
+    return build_ort_ops
+
+
+def test_build_tool_prints_the_library_or_why_there_is_none(library, tmp_path, monkeypatch,
+                                                           capsys):
+    """``build_ort_ops.py build`` prints the path ``register`` uses; without headers it
+    exits 1 and ``status`` / the message name the command that fetches them."""
+    tool = _build_tool()
+    assert tool.main(['build']) == 0
+    assert capsys.readouterr().out.strip() == library
+    assert tool.main(['status']) == 0
+    assert capsys.readouterr().out.strip() == library
+    monkeypatch.delenv('FLATTEN_MM_REQUIRE_CPU_KERNELS', raising=False)
+    monkeypatch.delenv(ort_ops.ENV_INCLUDE, raising=False)
+    monkeypatch.setenv('FLATTEN_MM_EXT_DIR', str(tmp_path / 'empty_cache'))
+    monkeypatch.setattr(ort_ops, '_SYSTEM_INCLUDES', ())
+    monkeypatch.setattr(ort_ops, '_built', {})
+    with pytest.warns(RuntimeWarning, match='could not be built'):
+        assert tool.main(['build']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('not built: unavailable: no ONNX Runtime headers')
+    assert f'{ort_ops.TOOL} fetch-headers' in err
