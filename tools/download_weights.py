@@ -14,11 +14,14 @@ Configs load these files as ``flatten_mm://NAME``, which downloads and converts 
 use (``flatten_mm.models.hub``); this tool does the same ahead of time, into the same
 cache (``$FLATTEN_MM_HOME``, by default ``flatten_mm`` in torch's hub directory) or, with
 ``--dir DIR``, into ``DIR`` (``DIR/NAME_in1k.pth``, whole models ``DIR/NAME.pth``, the
-official file under ``DIR/official/``). The download resumes when interrupted; the
-SHA-256 of the official file is checked against the one published, else the one recorded
-at its first download (``official/SHA256SUMS.json``). ``--from-file`` converts a file you
-downloaded yourself (e.g. from the Google Drive mirrors); putting it at
-``official/NAME.pth`` of the cache does the same for ``flatten_mm://``.
+official file under ``DIR/official/``). The download resumes when interrupted, and
+concurrent runs (or training jobs) wait for one download under a file lock. The SHA-256
+of the official file is checked against the one published, else the one recorded once
+a first file loaded and converted (``official/SHA256SUMS.json``); ``--force`` downloads
+again and clears that record. ``--from-file`` converts a file you downloaded yourself
+(e.g. from the Google Drive mirrors), checked against the same sums; putting it at
+``official/NAME.pth`` of the cache does the same for ``flatten_mm://``. A converted file
+made by an older converter version is converted again.
 ``--target classifier`` converts ImageNet weights to the whole mmpretrain classifier
 (``NAME_in1k-classifier.pth``: backbone, the parts after it and the head), which the
 ``configs/mmpretrain`` config of the variant evaluates.
@@ -65,7 +68,7 @@ def format_list() -> str:
     lines += ['', f'{len(zoo.OFFICIAL_WEIGHTS)} official files (FLatten and QuadTree; SimA '
               'released none). No official weights exist for: ' + ', '.join(none) + '.',
               'Sources: ' + zoo.FLATTEN_SOURCE + '; ' + zoo.QUADTREE_SOURCE + '.',
-              'sha256 "unknown": not published; the first download records it.',
+              'sha256 "unknown": not published; recorded once a first download converts.',
               f'Cache of flatten_mm://: {hub.home()} (set {hub.HOME_ENV} to move it).']
     return '\n'.join(lines)
 
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument('--from-file', metavar='PATH',
                         help='convert this already downloaded official file (one NAME)')
     parser.add_argument('--force', action='store_true',
-                        help='download and convert again, overwriting the converted file')
+                        help='download and convert again, overwriting the converted file and '
+                        'clearing the recorded SHA-256')
     parser.add_argument('--trust-checkpoint', action='store_true',
                         help='allow full unpickling of the official file')
     parser.add_argument('--target', choices=('backbone', 'classifier'), default='backbone',
@@ -98,7 +102,10 @@ def main(argv=None) -> int:
         try:
             weights = zoo.get_official_weights(name)
             dst = hub.converted_path(weights, args.dir, args.target)
-            if osp.exists(dst) and not args.force:
+            made_by = hub.cached_converter(dst)
+            current = made_by == hub.converter_version(weights, args.target)
+            if osp.exists(dst) and not args.force and (current or made_by is None):
+                # (a file without a converter record is not ours to replace unasked)
                 print(f'{dst} exists (pass --force to redo it)')
                 continue
             if args.from_file and not osp.isfile(args.from_file):

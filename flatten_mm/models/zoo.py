@@ -15,8 +15,8 @@ numbers:
 Every other backbone variant of ``flatten_mm.models.catalogue`` has **no** official
 weights; ``missing_weights_message`` says so when a config points at a checkpoint that
 does not exist. SHA-256 sums of the files are not published; ``sha256=None`` means
-unknown (``tools/download_weights.py`` records the sum of the first download next to the
-file and checks later downloads against it).
+unknown (``flatten_mm.checkpoints.download`` records the sum of the first file that
+loads and converts next to it and checks later files against it).
 """
 import difflib
 import glob

@@ -77,8 +77,14 @@ def test_download_converts_to_the_configs_path_and_records_sha(file_url_zoo, tmp
     raw.write_bytes(bytes(data))
     dst.unlink()
     assert download_weights.main(['quadtree-b-pvt-v2-b0', '--dir', str(out_dir)]) == 2
-    assert re.search(r'SHA-256 [0-9a-f]{64} differs from the recorded', capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(r'SHA-256 [0-9a-f]{64} differs from the recorded', err)
+    assert str(out_dir / 'official' / 'SHA256SUMS.json') in err and '--force' in err
     assert not dst.exists()
+    # --force drops the changed file and its record: downloaded, converted, recorded again
+    assert download_weights.main(['quadtree-b-pvt-v2-b0', '--dir', str(out_dir), '--force']) == 0
+    assert raw.read_bytes() == src.read_bytes() and dst.exists()
+    assert digest in (out_dir / 'official' / 'SHA256SUMS.json').read_text()
 
 
 def test_published_sha_mismatch_is_refused(file_url_zoo, tmp_path, monkeypatch, capsys):
