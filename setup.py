@@ -18,11 +18,14 @@ ROOT = osp.dirname(osp.abspath(__file__))
 MIM_FILES = ('model-index.yml', 'configs', 'tools')
 
 
-def read_version() -> str:
+def read_version() -> dict:
     scope: dict = {}
     with open(osp.join(osp.dirname(__file__), 'flatten_mm', 'version.py')) as f:
         exec(f.read(), scope)
-    return scope['__version__']
+    return scope
+
+
+VERSION = read_version()
 
 
 def add_mim_extension() -> None:
@@ -64,7 +67,7 @@ add_mim_extension()
 
 setup(
     name='flatten_mm',
-    version=read_version(),
+    version=VERSION['__version__'],
     description='FLatten, SimA and QuadTree attention backbones for mmdet / mmseg',
     long_description=open(osp.join(osp.dirname(__file__), 'README.md')).read()
     if osp.exists(osp.join(osp.dirname(__file__), 'README.md')) else '',
@@ -81,9 +84,11 @@ setup(
     },
     python_requires='>=3.9',
     install_requires=[
-        'torch>=2.0',
+        # (flatten_mm/__init__.py refuses an older torch at import, naming both versions)
+        'torch>=' + '.'.join(map(str, VERSION['MIN_TORCH'])),
+        # flatten_mm/compat.py adapts mmengine 0.10.7's checkpoint loader to torch >= 2.6
         'mmengine==0.10.7',
-        'timm>=1.0',
+        'timm>=1.0',  # timm.layers
         'numpy',
         'ninja',  # torch.utils.cpp_extension builds the optional CPU kernels with it
     ],

@@ -8,16 +8,20 @@
 #   ships only as a source distribution. Its compiled ops (nms, roi_align, ...) are needed
 #   at import time by mmdet/mmseg. We build it once against the installed torch
 #   (C++20 for torch >= 2.14 headers, setuptools < 82 for pkg_resources,
-#   --no-build-isolation) with the CUDA ops when torch is a CUDA build
-#   (scripts/mmcv_ops.py decides; FLATTEN_MM_MMCV_OPS=cpu for CPU-only machines) and cache
+#   --no-build-isolation): its CPU ops on a machine without a GPU, its CUDA ops for the
+#   visible GPUs (scripts/mmcv_ops.py decides; FLATTEN_MM_MMCV_OPS=cuda|cpu asks), and cache
 #   the wheel per torch version and flavour in $FLATTEN_MM_CACHE (default
 #   ~/.cache/flatten_mm/wheels), outside the checkout, so later runs and CI reuse it.
 # * mmdet / mmseg / mmpretrain are installed with --no-deps because their own requirement
 #   pins are ancient; their runtime needs are listed as extras of our setup.py.
-# * flatten_mm's ONNX Runtime operators (flatten_mm/deploy/ort_ops.py) compile against ONNX
-#   Runtime's C API headers, which the onnxruntime wheels do not ship: they are taken once
-#   from Debian's libonnxruntime-dev package (checked against the package index) into
-#   ~/.cache/flatten_mm/ext/ort_headers.
+# * flatten_mm's optional ONNX Runtime operator (flatten_mm/deploy/ort_ops.py) compiles
+#   against ONNX Runtime's C API headers, which the onnxruntime wheels do not ship: the
+#   system's libonnxruntime-dev (`apt-get install libonnxruntime-dev` where the distribution
+#   has it: Debian 13, Ubuntu) or a folder named by FLATTEN_MM_ORT_INCLUDE; without them the
+#   operator is skipped, with one line saying how to get it.
+#
+# Variables: FLATTEN_MM_VENV, FLATTEN_MM_CACHE, FLATTEN_MM_MMCV_OPS, TORCH_CUDA_ARCH_LIST,
+# CUDA_HOME / CUDA_PATH, MAX_JOBS, CXX, PYTHON (docs/get_started.md#environment-variables).
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 
@@ -58,19 +62,17 @@ if ! have torch "$TORCH_VERSION" || ! have torchvision "$TORCHVISION_VERSION"; t
   "${PIP[@]}" install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 fi
 
-# which ops mmcv is built with follows the installed torch (scripts/mmcv_ops.py: a CUDA
-# build of torch gets mmcv's CUDA ops, GPU visible or not; FLATTEN_MM_MMCV_OPS=cpu for
-# CPU-only machines); it stops here, before any build, when nvcc is missing or mismatched
-# (the choice is remembered by the environment: later runs, e.g. by run_tests.sh, keep it)
-CHOICE="$VENV/.flatten_mm_mmcv_ops"
+# which ops mmcv is built with follows the machine (scripts/mmcv_ops.py: no GPU visible ->
+# CPU ops; a GPU visible -> CUDA ops for it; FLATTEN_MM_MMCV_OPS=cuda|cpu asks for one);
+# it stops here, before any build, when nvcc is missing or mismatched. A switch given here
+# is remembered by the environment (later runs, e.g. by run_tests.sh, keep it, and every
+# message that depends on it names the file)
 if [ -n "${FLATTEN_MM_MMCV_OPS:-}" ]; then
-  echo "$FLATTEN_MM_MMCV_OPS" > "$CHOICE"
-elif [ -f "$CHOICE" ]; then
-  export FLATTEN_MM_MMCV_OPS="$(cat "$CHOICE")"
+  echo "$FLATTEN_MM_MMCV_OPS" > "$VENV/.flatten_mm_mmcv_ops"
 fi
 PLAN=$("$VPY" "$ROOT/scripts/mmcv_ops.py" plan) || {
   echo "setup_env: stopped before building mmcv (see the message above)" >&2; exit 1; }
-eval "$PLAN"   # MMCV_OPS, MMCV_TAG, and the build's FORCE_CUDA / CUDA_HOME / TORCH_CUDA_ARCH_LIST
+eval "$PLAN"   # MMCV_OPS, MMCV_TAG, and the build's MAX_JOBS / FORCE_CUDA / CUDA_HOME / TORCH_CUDA_ARCH_LIST
 INSTALLED=$("$VPY" "$ROOT/scripts/mmcv_ops.py" flavour)
 if ! have mmcv "$MMCV_VERSION" || [ "$INSTALLED" = none ] \
     || { [ "$MMCV_OPS" = cuda ] && [ "$INSTALLED" != cuda ]; }; then
@@ -85,7 +87,7 @@ if ! have mmcv "$MMCV_VERSION" || [ "$INSTALLED" = none ] \
       | head -n1 || true)
   fi
   if [ -z "$WHEEL" ]; then
-    log "building mmcv $MMCV_VERSION with $MMCV_OPS ops against torch $TV (once; ~15 min on 2 cores for the CPU ops, longer with CUDA)"
+    log "building mmcv $MMCV_VERSION with $MMCV_OPS ops against torch $TV (once; the CPU ops take ~15 min on 2 cores, the CUDA ops longer; log: $CACHE/mmcv-build.log)"
     BUILD=$(mktemp -d)
     "${PIP[@]}" download -q --no-deps --no-build-isolation --no-binary :all: "mmcv==$MMCV_VERSION" -d "$BUILD"
     tar -xzf "$BUILD"/mmcv-"$MMCV_VERSION".tar.gz -C "$BUILD"
@@ -93,7 +95,7 @@ if ! have mmcv "$MMCV_VERSION" || [ "$INSTALLED" = none ] \
     sed -i -e 's/-std=c++14/-std=c++20/g' -e 's/-std=c++17/-std=c++20/g' "$SRC/setup.py"
     mkdir -p "$WHEEL_DIR.partial"
     LOG="$CACHE/mmcv-build.log"
-    if ! (cd "$SRC" && MMCV_WITH_OPS=1 MAX_JOBS="${MAX_JOBS:-2}" \
+    if ! (cd "$SRC" && MMCV_WITH_OPS=1 \
       "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$WHEEL_DIR.partial" . > "$LOG" 2>&1); then
       tail -n 60 "$LOG"; echo "mmcv build failed; full log: $LOG" >&2; exit 1
     fi
@@ -138,15 +140,16 @@ with warnings.catch_warnings():
     cpu_kernels.quadtree_level_kernel()
 print('flatten_mm CPU kernels:', cpu_kernels.status())
 PYEOF
-log "building flatten_mm's ONNX Runtime operators (headers from Debian's libonnxruntime-dev, once)"
+log "building flatten_mm's ONNX Runtime operators (optional; where ONNX Runtime's C API headers are found)"
 "$VPY" - <<'PYEOF' || log "(optional: export_onnx(custom_ops=True) falls back to standard operators)"
 import warnings
 from flatten_mm.deploy import ort_ops
 if ort_ops.header_dir() is None:
-    print('fetched ONNX Runtime headers into', ort_ops.fetch_headers())
-with warnings.catch_warnings():
-    warnings.simplefilter('ignore')
-    ort_ops.library_path()
-print('flatten_mm ONNX Runtime operators:', ort_ops.status())
+    print('skipped the optional ONNX Runtime operator library:', ort_ops.missing_headers_message())
+else:
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        ort_ops.library_path()
+    print('flatten_mm ONNX Runtime operators:', ort_ops.status())
 PYEOF
 log "done: activate with 'source $VENV/bin/activate'"

@@ -79,28 +79,58 @@ def det_run(tmp_path_factory):
     return work
 
 
-def test_detection_train_and_test(det_run, tmp_path):
+def test_detection_train_and_test(det_run):
+    """(As scripts/quickstart.sh: train and test share the work dir.)"""
     losses = check_loss_decreases(scalars(det_run))
     assert losses[-1][0] == 20
-    show = tmp_path / 'show'
-    run(['tools/test.py', DET, osp.join(det_run, 'iter_20.pth'), '--work-dir', str(tmp_path),
-         '--show-dir', str(show)])
-    metrics = read_test_metrics(str(tmp_path))
+    show = osp.join(det_run, 'show')
+    run(['tools/test.py', DET, osp.join(det_run, 'iter_20.pth'), '--work-dir', det_run,
+         '--show-dir', show])
+    metrics = read_test_metrics(det_run)
     for key in ('coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP', 'coco/segm_mAP_50'):
         assert key in metrics and math.isfinite(metrics[key]) and 0 <= metrics[key] <= 1, key
     assert_every_image_painted(show, osp.join(REPO_ROOT, 'demo/data/coco_mini/val2017'))
 
 
-def test_segmentation_train_and_test(tmp_path):
+@pytest.fixture(scope='module')
+def seg_run(tmp_path_factory):
     pytest.importorskip('mmseg')
-    work = str(tmp_path / 'train')
+    work = str(tmp_path_factory.mktemp('seg'))
     run(['tools/train.py', SEG, '--work-dir', work, '--cfg-options'] + SEG_SHORT)
-    check_loss_decreases(scalars(work))
-    show = tmp_path / 'show'
-    run(['tools/test.py', SEG, osp.join(work, 'iter_20.pth'), '--work-dir', str(tmp_path / 'test'),
-         '--show-dir', str(show)])
-    metrics = read_test_metrics(str(tmp_path / 'test'))
+    return work
+
+
+def test_segmentation_train_and_test(seg_run):
+    check_loss_decreases(scalars(seg_run))
+    show = osp.join(seg_run, 'show')
+    run(['tools/test.py', SEG, osp.join(seg_run, 'iter_20.pth'), '--work-dir', seg_run,
+         '--show-dir', show])
+    metrics = read_test_metrics(seg_run)
     for key in ('mIoU', 'aAcc', 'mAcc'):
         assert key in metrics and math.isfinite(metrics[key]), key
     assert_every_image_painted(
         show, osp.join(REPO_ROOT, 'demo/data/ade_mini/ADEChallengeData2016/images/validation'))
+
+
+def test_summary_reports_the_metrics_and_a_next_command_that_works(det_run, seg_run, tmp_path):
+    """The closing summary of scripts/quickstart.sh: the metrics tools/test.py wrote, the
+    checkpoints, and a next command (tools/infer.py) that paints a prediction."""
+    for work in (det_run, seg_run):  # (the test above, when run alone)
+        if not glob.glob(osp.join(work, '*', '*.json')):
+            cfg = DET if work == det_run else SEG
+            run(['tools/test.py', cfg, osp.join(work, 'iter_20.pth'), '--work-dir', work])
+    out = run(['scripts/quickstart_summary.py', DET, det_run, SEG, seg_run])
+    det, seg = read_test_metrics(det_run), read_test_metrics(seg_run)
+    assert f"bbox mAP {det['coco/bbox_mAP']:.3f}" in out
+    assert f"segm mAP {det['coco/segm_mAP']:.3f}" in out
+    assert f"mIoU {seg['mIoU']:.1f}%" in out
+    assert '20 iterations from random weights' in out
+    assert osp.join(det_run, 'iter_20.pth') in out and 'What to expect' in out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith('python tools/infer.py'))
+    command = ' '.join(line.strip().rstrip('\\') for line in lines[start:start + 2]).split()
+    out_dir = str(tmp_path / 'infer')
+    command[command.index('--out-dir') + 1] = out_dir
+    run(command[1:])
+    painted = glob.glob(osp.join(out_dir, 'vis', '*.jpg'))
+    assert len(painted) == 1 and osp.basename(painted[0]) == osp.basename(command[4])

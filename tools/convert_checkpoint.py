@@ -62,7 +62,13 @@ def parse_args(argv=None):
     parser.add_argument('--force', action='store_true', help='overwrite DST if it exists')
     parser.add_argument('--trust-checkpoint', action='store_true',
                         help='allow full unpickling of SRC (only for files you trust)')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if '://' in args.dst:
+        name = args.dst.split('://', 1)[1]
+        parser.error(f'DST {args.dst!r} is a name, not a file: flatten_mm:// names are read '
+                     f'from the weights cache, which `python tools/download_weights.py {name} '
+                     f'--from-file {args.src}` fills with an official file you downloaded')
+    return args
 
 
 def convert_file(src, dst, family=None, arch=None, ema=False, config=None, cfg_options=None,

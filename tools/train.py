@@ -1,6 +1,6 @@
 """Train a detector, segmentor or classifier from an mmdet / mmseg / mmpretrain config.
 
-    python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--amp]
+    python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--amp | --no-amp]
                           [--cfg-options k=v ...] [--launcher {none,pytorch,slurm,mpi}]
 
 Works for mmdet 3.x, mmseg 1.x and mmpretrain 1.x configs (the config's ``default_scope``
@@ -24,8 +24,12 @@ def parse_args(argv=None):
         '--resume', nargs='?', type=str, const='auto',
         help='resume from the given checkpoint, or (no value) from the latest checkpoint '
         'in the work dir')
-    parser.add_argument('--amp', action='store_true',
-                        help='fp16 automatic mixed precision (AmpOptimWrapper, CUDA only)')
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument('--amp', action='store_true',
+                           help='fp16 automatic mixed precision (AmpOptimWrapper, CUDA only)')
+    precision.add_argument('--no-amp', action='store_true',
+                           help='train in float32 although the config asks for AMP '
+                           '(AmpOptimWrapper), e.g. on a machine without CUDA')
     parser.add_argument('--auto-scale-lr', action='store_true',
                         help='scale the learning rate with the total batch size')
     parser.add_argument(
@@ -40,6 +44,11 @@ def parse_args(argv=None):
     return args
 
 
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def build_cfg(args) -> Config:
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
@@ -50,8 +59,7 @@ def build_cfg(args) -> Config:
     elif cfg.get('work_dir', None) is None:
         cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
     if args.amp:
-        import torch
-        if not torch.cuda.is_available():
+        if not _has_cuda():
             raise SystemExit('--amp uses mmengine AmpOptimWrapper, which needs a CUDA device; '
                              'on CPU train in float32 (or bf16 autocast in your own loop)')
         if cfg.optim_wrapper.get('type', 'OptimWrapper') == 'AmpOptimWrapper':
@@ -59,6 +67,13 @@ def build_cfg(args) -> Config:
         else:
             cfg.optim_wrapper.type = 'AmpOptimWrapper'
             cfg.optim_wrapper.loss_scale = 'dynamic'
+    if args.no_amp and cfg.optim_wrapper.get('type') == 'AmpOptimWrapper':
+        cfg.optim_wrapper.type = 'OptimWrapper'
+        for key in ('loss_scale', 'dtype', 'use_fsdp'):  # (AmpOptimWrapper's own arguments)
+            cfg.optim_wrapper.pop(key, None)
+    elif cfg.optim_wrapper.get('type') == 'AmpOptimWrapper' and not _has_cuda():
+        raise SystemExit(f'{args.config} trains with AMP (AmpOptimWrapper), which needs a CUDA '
+                         'device: add --no-amp to train in float32 on this machine')
     if args.auto_scale_lr:
         if 'auto_scale_lr' in cfg and 'base_batch_size' in cfg.auto_scale_lr:
             cfg.auto_scale_lr.enable = True

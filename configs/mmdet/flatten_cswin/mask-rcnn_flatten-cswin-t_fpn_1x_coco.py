@@ -21,9 +21,8 @@ model = dict(
         arch='t',
         drop_path_rate=0.2,
         out_indices=(0, 1, 2, 3),
-        # convert the official ImageNet weights first:
-        # python tools/convert_checkpoint.py flatten_cswin_tiny.pth \
-        #     flatten_mm://flatten-cswin-t --family flatten_cswin --arch t
+        # the official ImageNet weights, downloaded and converted on first use; to fetch
+        # them ahead (e.g. on a login node): python tools/download_weights.py flatten-cswin-t
         init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-cswin-t')),
     neck=dict(in_channels=[64, 128, 256, 512]))
 

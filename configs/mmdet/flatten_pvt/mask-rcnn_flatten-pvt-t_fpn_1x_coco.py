@@ -18,9 +18,8 @@ model = dict(
         arch='tiny',
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        # convert the official ImageNet weights first:
-        # python tools/convert_checkpoint.py flatten_pvt_t.pth \
-        #     flatten_mm://flatten-pvt-t --family flatten_pvt --arch tiny
+        # the official ImageNet weights, downloaded and converted on first use; to fetch
+        # them ahead (e.g. on a login node): python tools/download_weights.py flatten-pvt-t
         init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-pvt-t')),
     neck=dict(in_channels=[64, 128, 320, 512]))
 

@@ -18,9 +18,8 @@ model = dict(
         arch='b0',
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        # convert the official ImageNet weights first:
-        # python tools/convert_checkpoint.py flatten_pvt_v2_b0.pth \
-        #     flatten_mm://flatten-pvt-v2-b0 --family flatten_pvt_v2 --arch b0
+        # the official ImageNet weights, downloaded and converted on first use; to fetch
+        # them ahead (e.g. on a login node): python tools/download_weights.py flatten-pvt-v2-b0
         init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-pvt-v2-b0')),
     neck=dict(in_channels=[32, 64, 160, 256]))
 

@@ -22,9 +22,8 @@ model = dict(
         arch='t',
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        # convert the official ImageNet weights first:
-        # python tools/convert_checkpoint.py flatten_swin_t.pth \
-        #     flatten_mm://flatten-swin-t --family flatten_swin --arch t
+        # the official ImageNet weights, downloaded and converted on first use; to fetch
+        # them ahead (e.g. on a login node): python tools/download_weights.py flatten-swin-t
         init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://flatten-swin-t')),
     neck=dict(in_channels=[96, 192, 384, 768]))
 

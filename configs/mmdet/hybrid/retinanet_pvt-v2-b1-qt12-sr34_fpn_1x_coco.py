@@ -27,8 +27,8 @@ model = dict(
         ],
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        # Partial initialisation from the QuadTree-B-b1 ImageNet weights (converted with
-        # tools/convert_checkpoint.py ... --family quadtree --arch b1): patch embeddings,
+        # Partial initialisation from the official QuadTree-B-b1 ImageNet weights (by name,
+        # downloaded and converted on first use): patch embeddings,
         # MLPs, norms and the stage 1-2 attention load; the stage 3-4 softmax attention
         # (q / kv / sr / norm) has no counterpart and starts from scratch: strict=False
         # (flatten_mm refuses partial matches otherwise; the missing keys are logged).

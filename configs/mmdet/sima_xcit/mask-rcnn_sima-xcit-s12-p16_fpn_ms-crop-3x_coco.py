@@ -21,7 +21,8 @@ model = dict(
         drop_path_rate=0.05,
         block_indices=(3, 5, 7, 11),  # the blocks feeding fpn1..fpn4 (XCiT's out_indices)
         norm_cfg=dict(type='SyncBN', requires_grad=True),
-        # no SimA weights are released; convert your own ImageNet checkpoint first:
+        # no SimA weights are released: pretrain them (configs/mmpretrain/sima_xcit), or
+        # convert an ImageNet checkpoint of the official code:
         # python tools/convert_checkpoint.py sima_small_12_p16.pth \
         #     checkpoints/sima-xcit-s12-p16_in1k.pth --family sima_xcit --arch s12-p16
         init_cfg=dict(type='Pretrained', checkpoint='checkpoints/sima-xcit-s12-p16_in1k.pth')),

@@ -19,8 +19,9 @@ model = dict(
         ],
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        # Partial initialisation from the FLatten-PVTv2-b1 ImageNet weights (converted
-        # with tools/convert_checkpoint.py ... --family flatten_pvt_v2 --arch b1): patch
+        # Partial initialisation from FLatten-PVTv2-b1 ImageNet weights (none are released:
+        # pretrain them with configs/mmpretrain/flatten_pvt_v2/flatten-pvt-v2-b1_8xb128_in1k.py
+        # and load the classifier with prefix='backbone.', docs/user_guides/pretrain.md): patch
         # embeddings, MLPs, norms and the stage 1-2 attention load; in stages 3-4 only
         # the output projection `proj` has a counterpart, SimA's `qkv` starts from scratch:
         # strict=False (flatten_mm refuses partial matches otherwise; missing keys logged).

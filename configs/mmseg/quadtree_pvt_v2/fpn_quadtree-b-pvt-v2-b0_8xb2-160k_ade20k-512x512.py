@@ -29,9 +29,8 @@ model = dict(
         attn_cfg=dict(topk=32, value_act='relu'),  # official dense setting (also the default)
         drop_path_rate=0.1,
         out_indices=(0, 1, 2, 3),
-        # convert the official ImageNet weights first:
-        # python tools/convert_checkpoint.py b0.pth \
-        #     flatten_mm://quadtree-b-pvt-v2-b0 --family quadtree --arch b0
+        # the official ImageNet weights, downloaded and converted on first use; to fetch
+        # them ahead (e.g. on a login node): python tools/download_weights.py quadtree-b-pvt-v2-b0
         init_cfg=dict(type='Pretrained', checkpoint='flatten_mm://quadtree-b-pvt-v2-b0')),
     neck=dict(in_channels=[32, 64, 160, 256]),
     decode_head=dict(num_classes=150))
