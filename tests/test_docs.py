@@ -829,7 +829,7 @@ def official_stand_ins(tmp_path_factory):
     pytest.importorskip('mmseg')
     import torch
     from flatten_mm.apis.forward import build_model
-    from flatten_mm.models import zoo
+    from flatten_mm.models import hub, zoo
     from mmengine.config import Config
     home = tmp_path_factory.mktemp('flatten_mm_home')
     names = {n for _, _, code in _python_blocks('inference') for n in SCHEME_NAME.findall(code)}
@@ -849,7 +849,8 @@ def official_stand_ins(tmp_path_factory):
             from mmseg.datasets import ADE20KDataset
             meta = dict(classes=tuple(ADE20KDataset.METAINFO['classes']),
                         palette=[list(c) for c in ADE20KDataset.METAINFO['palette']])
-        meta = dict(dataset_meta=meta)
+        # (and the converter version a file converted today records: flatten_mm.models.hub)
+        meta = dict(dataset_meta=meta, converter=hub.converter_version(weights))
         torch.save(dict(state_dict=model.state_dict(), meta=meta),
                    home / osp.basename(weights.target))
     return str(home)

@@ -30,14 +30,15 @@ Importing ``flatten_mm.models`` registers the scheme (``install``).
 import os
 import os.path as osp
 import pickle
+import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
 from mmengine.dist import all_gather_object, get_dist_info
 from mmengine.runner.checkpoint import CheckpointLoader
 
-from ..checkpoints.download import (check_sum, fetch, file_lock, forget, log_message,
-                                    record_sum, recorded_sum, sha256_of)
+from ..checkpoints.download import (DownloadError, check_sum, fetch, file_lock, forget,
+                                    log_message, record_sum, recorded_sum, sha256_of)
 from ..checkpoints.io import CheckpointError, load_foreign_checkpoint, save_checkpoint_file
 from ..checkpoints.official import convert_official_file
 from . import zoo
@@ -147,10 +148,22 @@ def prepare(name: str, root: Optional[str] = None, force: bool = False,
         found = cached_converter(dst)
         if not force and found == version:  # made by another process while we waited
             return dst
-        if osp.isfile(dst) and not force:
+        stale = osp.isfile(dst) and not force
+        if stale:
             log(f'{dst} was written by converter {found or "(unrecorded)"}; converting it '
                 f'again with {version}')
-        _convert(weights, dst, version, folder, force, trust, official_file, log, target)
+        try:
+            _convert(weights, dst, version, folder, force, trust, official_file, log, target)
+        except DownloadError as err:
+            if not stale:
+                raise
+            # the official file to convert again is out of reach (offline, say): the file
+            # converted earlier is still a converted official file -- use it, loudly
+            message = (f'using {dst}, converted by {found or "an unrecorded converter"} '
+                       f'(today: {version}), because the official file could not be '
+                       f'fetched to convert it again: {err}')
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            log(message)
     return dst
 
 

@@ -337,6 +337,26 @@ def test_converter_version_change_rebuilds_the_cache(server, cache, official, mo
     assert_expected(path, expected)
 
 
+def test_an_older_conversion_is_used_loudly_when_the_official_file_is_out_of_reach(
+        server, cache, official, monkeypatch):
+    """Offline, with the official file gone: a file converted by an earlier converter (or
+    by a release that recorded none) still loads, with a warning naming both versions,
+    instead of failing where it worked before."""
+    data, expected = official
+    serve(monkeypatch, server.url())
+    path = hub.prepare(NAME)
+    os.remove(cache / 'official' / f'{NAME}.pth')
+    serve(monkeypatch, 'http://127.0.0.1:9/offline.pth')
+    monkeypatch.setitem(hub.CONVERTER_VERSIONS, 'quadtree', 2)
+    with pytest.warns(RuntimeWarning, match='quadtree-1.*today: quadtree-2'):
+        assert hub.prepare(NAME) == path
+    assert_expected(path, expected)
+    # without a converted file the error is the usual one
+    os.remove(path)
+    with pytest.raises(DownloadError, match='127.0.0.1:9'):
+        hub.prepare(NAME)
+
+
 def test_every_converter_has_a_version():
     from flatten_mm.checkpoints.converters import CONVERTERS
     assert set(CONVERTERS) | {'whole_model', 'classifier'} == set(hub.CONVERTER_VERSIONS)
