@@ -11,7 +11,9 @@ proves, and the errors no fallback can survive.
 * A sticky CUDA error (illegal address, device-side assert) is re-raised, not "fallen
   back" from.
 """
+import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -25,9 +27,9 @@ from test_kernel_dispatch import (LAUNCHERS, OPERATORS, _input, _step,  # noqa: 
 
 from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
-from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
 from flatten_mm.models.ops import dispatch, specialisation  # noqa: E402
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels  # noqa: E402
+from flatten_mm.models.ops import quadtree_paths  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('triton_interpreter', 'auto_on_cpu')
 CHECK_THREAD = 'flatten_mm-first-use-check'
@@ -137,6 +139,120 @@ def test_no_check_during_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(dispatch, 'stream_capturing', lambda device: False)
     assert dispatch.verdict('fla', 'cpu', None, key) is True
     assert len(calls) == 1
+
+
+# --------------------------------------------------------------------------- one check per key
+class _FakeCheck:
+    """A first-use check that counts its runs and how many ran at once; ``hold()`` (a
+    callable) decides when a run may end, and ``fail`` makes it raise."""
+
+    def __init__(self, hold, fail=False):
+        self.hold, self.fail = hold, fail
+        self.runs = self.active = self.most_at_once = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, key, device):
+        with self._lock:
+            self.runs += 1
+            self.active += 1
+            self.most_at_once = max(self.most_at_once, self.active)
+        try:
+            self.hold()
+            if self.fail:
+                raise ValueError('injected')
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+def _blocked_in_threading(threads) -> bool:
+    """Whether each of ``threads`` has ended or waits inside ``threading`` (an event, a
+    join): after entering ``verdict`` that is the only place a caller can wait."""
+    frames = sys._current_frames()
+    return all(not t.is_alive() or t.ident in frames and
+               frames[t.ident].f_code.co_filename == threading.__file__ for t in threads)
+
+
+def _until(condition, limit=30.0):
+    end = time.monotonic() + limit  # (a safety limit: never reached when the code is right)
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.001)
+
+
+def _check_threads():
+    return [t for t in threading.enumerate() if t.name == CHECK_THREAD]
+
+
+@pytest.mark.parametrize('fail', [False, True], ids=['passes', 'fails'])
+def test_threads_meeting_a_new_key_share_one_check(monkeypatch, fail):
+    """Eight threads meet a configuration nobody checked: its check runs once (the others
+    wait for its verdict instead of compiling and running their own) and every thread gets
+    the same verdict; a failing check warns once. The check holds until all eight callers
+    wait, so a dispatch that let each caller check would run it eight times."""
+    callers, entered, got = [], [], []
+    check = _FakeCheck(lambda: _until(lambda: len(entered) == len(callers) and
+                                      _blocked_in_threading(callers)), fail)
+    monkeypatch.setitem(dispatch._checks, 'fla', check)
+    key = ('fake_op', 'float32', 'new-key')
+
+    def call():
+        entered.append(threading.current_thread().name)
+        got.append(dispatch.verdict('fla', 'cpu', None, key))
+    callers.extend(threading.Thread(target=call) for _ in range(8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+    assert check.runs == 1 and check.most_at_once == 1
+    assert got == [not fail] * 8
+    assert dispatch.verdicts() == {('fla', 'cpu', key): not fail}
+    assert len([w for w in caught if 'first-use check' in str(w.message)]) == int(fail)
+
+
+def test_an_interrupt_leaves_no_second_check(monkeypatch):
+    """A ``KeyboardInterrupt`` while the caller waits for the check propagates at once;
+    the check runs on in its thread, nobody starts another meanwhile, and the next call
+    gets its verdict (the check ran once, never two at a time) and no check is left."""
+    interrupted = threading.Event()
+    check = _FakeCheck(lambda: interrupted.wait(30))
+    monkeypatch.setitem(dispatch._checks, 'fla', check)
+    real_join = threading.Thread.join
+
+    def join(thread, timeout=None):
+        if thread.name == CHECK_THREAD and not interrupted.is_set():
+            interrupted.set()  # (the check may end only once the caller was interrupted)
+            raise KeyboardInterrupt
+        return real_join(thread, timeout)
+    monkeypatch.setattr(threading.Thread, 'join', join)
+    key = ('fake_op', 'float32', 'interrupted')
+    with pytest.raises(KeyboardInterrupt):
+        dispatch.verdict('fla', 'cpu', None, key)
+    assert dispatch.verdict('fla', 'cpu', None, key) is True
+    assert check.runs == 1 and check.most_at_once == 1
+    for t in _check_threads():
+        real_join(t, 30)
+    assert not _check_threads()
+    assert dispatch.verdicts() == {('fla', 'cpu', key): True}
+
+
+def test_a_check_that_ends_without_a_verdict_is_run_again(monkeypatch):
+    """A check that ends without a verdict (out of memory is re-raised to its caller)
+    leaves the configuration unchecked: the next call checks it again."""
+    outcomes = [torch.cuda.OutOfMemoryError('injected'), None]
+
+    def check(key, device):
+        error = outcomes.pop(0)
+        if error is not None:
+            raise error
+    monkeypatch.setitem(dispatch._checks, 'fla', check)
+    key = ('fake_op', 'float32', 'oom')
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        dispatch.verdict('fla', 'cpu', None, key)
+    assert dispatch.verdicts() == {}
+    assert dispatch.verdict('fla', 'cpu', None, key) is True
+    assert outcomes == []
 
 
 # --------------------------------------------------------------------------- warnings
@@ -331,24 +447,22 @@ def test_like_reproduces_the_layout(shape, strides, offset):
 # --------------------------------------------------------------------------- QuadTree fallback
 def test_quadtree_inference_after_a_failed_check_takes_the_chunked_path(monkeypatch):
     """Once a level's kernels failed their check, QuadTree inference runs the documented
-    chunked PyTorch path (no ``(B, h, L, 4, 4K)`` scores), not the batched gathers: the
-    level function called is ``_level_in_chunks`` and the result is the PyTorch path's."""
+    chunked path (no ``(B, h, L, 4, 4K)`` scores), not the batched gathers: the paths
+    taken are the chunked ones (``rows``, or the CPU kernel's) and the result is the PyTorch
+    path's."""
     def oor(*a, **k):
         from triton.runtime.errors import OutOfResources
         raise OutOfResources(106496, 101376, 'shared memory')
     for name in LAUNCHERS['quadtree'][1]:
         monkeypatch.setattr(qt_triton, name, oor)
-    paths = []
-    for name in ('_level_in_chunks', '_level_batched', '_level_fused'):
-        real = getattr(qa, name)
-        monkeypatch.setattr(qa, name, lambda *a, _r=real, _n=name, **k: paths.append(_n)
-                            or _r(*a, **k))
     torch.manual_seed(0)
     m = QuadTreeAttention(32, 2, num_levels=3, topk=4).eval()
     x = torch.randn(2, 16 * 16, 32)
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match='first-use check'):
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match='first-use check'), \
+            quadtree_paths.record_paths() as taken:
         got = m(x, (16, 16))
-    assert set(paths) == {'_level_in_chunks'}, paths
+    chunked = 'cpu_kernel' if cpu_kernels.quadtree_level_kernel() is not None else 'rows'
+    assert [t.path for t in taken] == [chunked, chunked], taken
     with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
         m.use_triton = False
         ref = m(x, (16, 16))

@@ -33,7 +33,11 @@ only if it says yes; the PyTorch path is the fallback and the reference.
      takes the PyTorch path and the check runs at the next eager call. An exception or a
      mismatch beyond ``TOLERANCES`` gives **one** ``RuntimeWarning`` naming the op, the
      device (name, compute capability), the dtype and what happened, and the PyTorch path
-     for that configuration from then on. The verdict is cached per (family, device, key).
+     for that configuration from then on. The verdict is cached per (family, device, key)
+     and made once: threads that meet a configuration while its check runs wait for its
+     verdict. An interrupt (``KeyboardInterrupt``) of the caller propagates at once; the
+     check runs on to its end in its thread and gives the verdict, and no other check of
+     that configuration starts meanwhile.
 
   A kernel that raises later in eager mode (a specialisation the check did not compile)
   is treated the same way (``guarded``): one warning, the PyTorch path for that call and
@@ -47,6 +51,7 @@ no graph break; a verdict not yet made runs its check when the graph is traced).
 tensors in auto mode nothing but ``use_triton`` and the device type is looked at.
 """
 import contextlib
+import functools
 import importlib
 import os
 import threading
@@ -82,6 +87,7 @@ _lock = threading.RLock()
 _import_errors: Dict[str, Optional[str]] = {}  # family -> None (imports) or why not
 _checks: Dict[str, Callable[[tuple, torch.device], None]] = {}
 _verdicts: Dict[Tuple[str, str, tuple], bool] = {}
+_in_flight: Dict[Tuple[str, str, tuple], '_InFlight'] = {}
 _warned = set()
 
 
@@ -265,17 +271,63 @@ def use_kernels(use_triton: Optional[bool], family: str, x: torch.Tensor,
 def verdict(family: str, device_type: str, index: Optional[int], key: tuple) -> bool:
     """Whether the kernel configuration ``key`` passed its first-use check on the device
     (run now if it was not checked yet in this process; ``False`` without a verdict during
-    CUDA-graph capture, where the check cannot run)."""
+    CUDA-graph capture, where the check cannot run). One check per configuration and
+    device: a caller that meets it while another thread's check runs waits for that
+    check's verdict."""
     device = torch.device(device_type, index)
     cache_key = (family, _device_key(device), key)
-    with _lock:
-        if cache_key in _verdicts:
-            return _verdicts[cache_key]
-    if stream_capturing(device):
-        return False  # (the PyTorch path for this call; the check runs at an eager call)
-    passed = _run_first_use_check(family, device, key)
-    with _lock:
-        return _verdicts.setdefault(cache_key, passed)
+    while True:
+        with _lock:
+            if cache_key in _verdicts:
+                return _verdicts[cache_key]
+            flight = _in_flight.get(cache_key)
+            if flight is None:
+                if stream_capturing(device):
+                    return False  # (the PyTorch path for this call; checked at an eager call)
+                flight = _in_flight[cache_key] = _InFlight(cache_key)
+                break
+        # (another thread checks this configuration: its verdict, or if that check ended
+        # without one -- an out-of-memory error, an interrupt -- this thread's own check)
+        flight.done.wait()
+    passed = None
+    try:
+        passed = _run_first_use_check(family, device, key, flight)
+    finally:
+        flight.leave('caller', passed)
+    return passed
+
+
+class _InFlight:
+    """The first-use check of one (family, device, key) while it runs. Two parties leave
+    it: the caller that started it and, once started, the check's thread; the verdict
+    (if one was made) is published and the waiting callers woken when both have. A caller
+    interrupted while its check runs leaves first, and the check's thread then judges its
+    own outcome."""
+
+    def __init__(self, cache_key: Tuple[str, str, tuple]):
+        self.cache_key = cache_key
+        self.done = threading.Event()
+        self._parties = {'caller'}
+
+    def enter(self, party: str) -> None:
+        with _lock:
+            self._parties.add(party)
+
+    def abandoned(self) -> bool:
+        """Whether the caller left before the check's thread ended (it was interrupted)."""
+        with _lock:
+            return 'caller' not in self._parties
+
+    def leave(self, party: str, passed: Optional[bool]) -> None:
+        with _lock:
+            if passed is not None:
+                _verdicts.setdefault(self.cache_key, passed)
+            self._parties.discard(party)
+            if self._parties:
+                return
+            if _in_flight.get(self.cache_key) is self:
+                del _in_flight[self.cache_key]
+        self.done.set()
 
 
 def stream_capturing(device: torch.device) -> bool:
@@ -284,14 +336,36 @@ def stream_capturing(device: torch.device) -> bool:
             and torch.cuda.is_current_stream_capturing())
 
 
-def _run_first_use_check(family: str, device: torch.device, key: tuple) -> bool:
+def _run_first_use_check(family: str, device: torch.device, key: tuple,
+                         flight: Optional[_InFlight] = None) -> bool:
     check = _checks.get(family)
     if check is None:
         return True  # (no check registered: the operator module was not imported)
     # (under torch.compile the inputs' alignment is the compiler's: both variants)
     keys = ([specialisation.resolved(key, True), specialisation.resolved(key, False)]
             if specialisation.unknown_alignment(key) else [key])
-    error = run_isolated(lambda: [_checked(check, k, device) for k in keys], device)
+    finished = None
+    if flight is not None:
+        flight.enter('check')
+        finished = functools.partial(_check_ended, family, device, key, flight)
+    error = run_isolated(lambda: [_checked(check, k, device) for k in keys], device, finished)
+    return _judged(family, device, key, error)
+
+
+def _check_ended(family: str, device: torch.device, key: tuple, flight: _InFlight,
+                 error: Optional[BaseException]) -> None:
+    """The check's thread leaves its ``flight``, judging the outcome itself if the caller
+    was interrupted meanwhile (nobody else will)."""
+    passed = None
+    if flight.abandoned():
+        with contextlib.suppress(Exception):  # (out of memory, unusable: no verdict)
+            passed = _judged(family, device, key, error)
+    flight.leave('check', passed)
+
+
+def _judged(family: str, device: torch.device, key: tuple,
+            error: Optional[BaseException]) -> bool:
+    """The verdict of a first-use check that raised ``error`` (``None``: it passed)."""
     if error is None:
         return True
     if isinstance(error, torch.cuda.OutOfMemoryError):
@@ -312,12 +386,19 @@ def _checked(check: Callable[[tuple, torch.device], None], key: tuple,
             torch.cuda.synchronize(device)
 
 
-def run_isolated(fn: Callable[[], None], device: torch.device) -> Optional[BaseException]:
+def run_isolated(fn: Callable[[], None], device: torch.device,
+                 finished: Optional[Callable[[Optional[BaseException]], None]] = None
+                 ) -> Optional[BaseException]:
     """Run ``fn`` in a new thread and return what it raised (``None`` if nothing): the
     thread starts with PyTorch's defaults -- grad mode on, no inference mode, autocast off,
     no saved-tensor hooks, no ``torch.func`` transform, no compile tracing, no dispatch
     mode -- whatever the caller's thread has on, and what ``fn`` records is its own. (The
-    global settings stay: deterministic algorithms, anomaly mode, TF32 flags.)"""
+    global settings stay: deterministic algorithms, anomaly mode, TF32 flags.)
+
+    An interrupt of the caller while it waits propagates at once; the thread runs on to
+    the end of ``fn``. ``finished(error)`` is called exactly once, in the thread when ``fn``
+    has ended, whether or not the caller still waits (or in the caller, with ``None``, if
+    the thread could not start)."""
     outcome: Dict[str, BaseException] = {}
 
     def target() -> None:
@@ -325,9 +406,16 @@ def run_isolated(fn: Callable[[], None], device: torch.device) -> Optional[BaseE
             fn()
         except BaseException as e:  # (handed to the caller's thread)
             outcome['error'] = e
+        if finished is not None:
+            finished(outcome.get('error'))
 
     thread = threading.Thread(target=target, name='flatten_mm-first-use-check', daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        if finished is not None:
+            finished(None)
+        raise
     thread.join()
     return outcome.get('error')
 
@@ -441,6 +529,7 @@ def reset() -> None:
     """Forget every verdict, warning and import failure (tests; a new process starts so)."""
     with _lock:
         _verdicts.clear()
+        _in_flight.clear()
         _warned.clear()
         _import_errors.clear()
 
