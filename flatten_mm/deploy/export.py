@@ -21,19 +21,33 @@ refuses sizes outside the range.
 
 The optional QuadTree CPU kernel is switched off during export (the PyTorch path is
 exported); Triton kernels only run on CUDA tensors and the export runs on CPU.
+
+``custom_ops=True`` writes flatten_mm's ONNX Runtime operators from their schema, whether
+or not their library can be built here; the file is run once in ONNX Runtime when the
+library is available, and the result says plainly (a warning, ``messages``,
+``verified=False``) when it could not be. ``custom_ops='auto'`` falls back to standard
+operators where the library is not available.
+
+Checks (``compare_with_pytorch``, the dynamic-size probe) compare ONNX Runtime with
+PyTorch running the exported graph form (``capture.graph_form()`` under the export
+rewrites): the same computation up to float rounding. Eager PyTorch may differ more, where
+it sums in another order (QuadTree's fused CPU kernel) and a near-tie of a top-k then
+breaks the other way; the checks report that difference, and the flipped selections,
+separately.
 """
 import json
 import os
 import os.path as osp
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..models.ops import quadtree_cpu as cpu_kernels
-from ..models.ops.capture import runtime_custom_ops
+from ..models.ops.capture import graph_form, runtime_custom_ops
 from . import ort_ops
 from .rewrites import export_rewrites
 from .runtime import META_PREFIX, OnnxModel, ort_session
@@ -60,11 +74,14 @@ DEFAULT_MAX_HW = (4096, 4096)
 
 @dataclass
 class ExportResult:
-    """What ``export_onnx`` wrote: ``path``, the metadata written (``meta``) and messages."""
+    """What ``export_onnx`` wrote: ``path``, the metadata written (``meta``) and messages;
+    ``verified``: for a file with flatten_mm's ONNX Runtime operators, whether it ran in
+    ONNX Runtime here and matched PyTorch (``None``: a file of standard operators)."""
 
     path: str
     meta: Dict[str, str]
     messages: List[str]
+    verified: Optional[bool] = None
 
     @property
     def dynamic(self) -> bool:
@@ -150,12 +167,73 @@ def _export_dynamic(target: ExportTarget, module: torch.nn.Module, x: torch.Tens
     return reason, d_lo
 
 
+def operator_library() -> Tuple[Optional[str], str]:
+    """``(path, '')`` of flatten_mm's ONNX Runtime operator library (built on first use),
+    or ``(None, why not)`` where it cannot be built here."""
+    try:
+        path = ort_ops.library_path()
+    except Exception as e:  # (FLATTEN_MM_REQUIRE_CPU_KERNELS=1 raises where it cannot)
+        return None, f'{type(e).__name__}: {e}'
+    return (path, '') if path else (None, ort_ops.status())
+
+
+def _runtime_operators(module: torch.nn.Module) -> List[str]:
+    return sorted({RUNTIME_OPERATORS[type(m).__name__] for m in module.modules()
+                   if type(m).__name__ in RUNTIME_OPERATORS})
+
+
+def _resolve_custom_ops(custom_ops: Union[bool, str], module: torch.nn.Module,
+                        messages: List[str]) -> Tuple[bool, Optional[str], str]:
+    """``(write the operators, library path or None, why there is none)`` for the
+    ``custom_ops`` argument of ``export_onnx``."""
+    if not (isinstance(custom_ops, bool) or custom_ops == 'auto'):
+        raise ValueError(f"custom_ops must be False, True or 'auto', got {custom_ops!r}")
+    if custom_ops is False or not _runtime_operators(module):
+        return bool(custom_ops), None, ''
+    library, why = operator_library()
+    if custom_ops == 'auto' and library is None:
+        messages.append(f"custom_ops='auto': the ONNX Runtime operator library is not "
+                        f'available here ({why}); the file uses standard operators only')
+        return False, None, why
+    return True, library, why
+
+
+def _verify_custom_ops(target: ExportTarget, path: str, hw: Tuple[int, int],
+                       library: Optional[str], why: str, tol: float,
+                       messages: List[str]) -> bool:
+    """Run a file with flatten_mm's operators once in ONNX Runtime against PyTorch's graph
+    form; ``False`` (warned, and said in ``messages``) where that was not possible here
+    or the outputs differ. ``RuntimeError`` when the file does not run."""
+    if library is None:
+        msg = (f'NOT VERIFIED: the file uses flatten_mm\'s ONNX Runtime operators, whose '
+               f'library is not available here ({why}), so it was not run; run it where '
+               f'the library builds (`{ort_ops.TOOL} build`) before deploying it')
+        warnings.warn(f'flatten_mm: {path}: {msg}', RuntimeWarning, stacklevel=3)
+        messages.append(msg)
+        return False
+    try:
+        check = compare_with_pytorch(target, path, [hw], eager=False)[0]
+    except Exception as e:
+        raise RuntimeError(f'{path}: the file written with flatten_mm\'s ONNX Runtime '
+                           f'operators does not run in ONNX Runtime: {_first_line(e)}') from e
+    worst = max(check.diffs, default=0.0)
+    if worst <= tol and check.unmatched_fraction <= MAX_UNMATCHED:
+        messages.append(f'custom operators verified: ran in ONNX Runtime at {hw[0]}x{hw[1]}, '
+                        f'max relative difference to PyTorch\'s graph form {worst:.2e}')
+        return True
+    msg = (f'NOT VERIFIED: in ONNX Runtime at {hw[0]}x{hw[1]} the file differs from '
+           f'PyTorch\'s graph form by {worst:.2e} (> {tol:g}), {check.unmatched_fraction:.1%} '
+           'of the instances without a counterpart')
+    warnings.warn(f'flatten_mm: {path}: {msg}', RuntimeWarning, stacklevel=3)
+    messages.append(msg)
+    return False
+
+
 def _custom_ops_note(module: torch.nn.Module, model, messages: List[str]) -> bool:
     """Whether the exported ``model`` uses our ONNX Runtime operators; ``messages`` gets
     what that means, or which operators ``custom_ops=True`` would have written."""
     uses = ort_ops.uses_custom_ops(model)
-    faster = sorted({RUNTIME_OPERATORS[type(m).__name__] for m in module.modules()
-                     if type(m).__name__ in RUNTIME_OPERATORS})
+    faster = _runtime_operators(module)
     if faster and not uses:
         messages.append(f'standard operators only; custom_ops=True (--custom-ops) writes '
                         f'{", ".join(faster)} instead, 1.7-1.9x faster in ONNX Runtime, for '
@@ -170,7 +248,8 @@ def _custom_ops_note(module: torch.nn.Module, model, messages: List[str]) -> boo
 def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
                 dynamic: bool = False, opset: int = 18,
                 max_hw: Sequence[int] = DEFAULT_MAX_HW, verify: bool = True,
-                verify_tol: float = 1e-4, custom_ops: bool = False) -> ExportResult:
+                verify_tol: float = 1e-4, custom_ops: Union[bool, str] = False
+                ) -> ExportResult:
     """Export ``target.module`` for a ``(1, 3, H, W)`` input to ``path``.
 
     Args:
@@ -182,21 +261,28 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
         opset: ONNX opset.
         max_hw: upper end of the dynamic range.
         verify: with ``dynamic``, run the file in ONNX Runtime at a second, non-square size
-            and compare with PyTorch; above ``verify_tol`` (max relative difference) the
-            file is declared fixed-size (valid for ``hw`` only) in its metadata.
-        verify_tol: see ``verify``.
-        custom_ops: write flatten_mm's ONNX Runtime operators where the model has them
-            (each QuadTree finer level as one ``flatten_mm::QuadTreeLevel`` node,
-            1.7-1.9x faster in ONNX Runtime than its standard-operator form); the file then needs
-            the library of ``ort_ops`` wherever it runs (``OnnxModel`` registers it). When
-            the library cannot be built here, the file uses standard operators only
-            (warned, and said in ``messages``).
+            and compare with PyTorch's graph form; above ``verify_tol`` (max relative
+            difference) the file is declared fixed-size (valid for ``hw`` only) in its
+            metadata.
+        verify_tol: see ``verify``; also what a file with custom operators must match.
+        custom_ops: ``True``: write flatten_mm's ONNX Runtime operators where the model
+            has them (each QuadTree finer level as one ``flatten_mm::QuadTreeLevel`` node,
+            1.7-1.9x faster in ONNX Runtime than its standard-operator form), from their
+            schema, whether or not their library builds here; the file then needs the
+            library of ``ort_ops`` wherever it runs (``OnnxModel`` registers it). Where
+            the library is available the file is run once in ONNX Runtime (``RuntimeError``
+            if it does not run; ``verified`` in the result); where it is not, a warning
+            and ``messages`` say the file was not verified. ``'auto'``: the operators
+            where the library is available here, else standard operators (said in
+            ``messages``). ``False``: standard operators only.
 
     Returns:
         ``ExportResult`` with the metadata written into the file.
 
     Raises:
-        ValueError: ``hw`` below the model's ``min_input_size()``.
+        ValueError: ``hw`` below the model's ``min_input_size()``, or a ``custom_ops``
+            other than ``False`` / ``True`` / ``'auto'``.
+        RuntimeError: a file with custom operators does not run in ONNX Runtime.
     """
     import onnx
     H, W = int(hw[0]), int(hw[1])
@@ -213,10 +299,7 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
                         f'{H}x{W} only')
     d_lo = (min(max(lo_h, 32), H), min(max(lo_w, 32), W))
     d_hi = (max(int(max_hw[0]), H), max(int(max_hw[1]), W))
-    if custom_ops and ort_ops.library_path() is None:  # (warned there)
-        messages.append(f'custom_ops: the ONNX Runtime operator library could not be built '
-                        f'({ort_ops.status()}); the file uses standard operators only')
-        custom_ops = False
+    custom_ops, library, no_library = _resolve_custom_ops(custom_ops, module, messages)
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with torch.no_grad(), cpu_kernels.use_cpu_kernels(False), export_rewrites():
         if dynamic and not static_reason:
@@ -236,45 +319,66 @@ def export_onnx(target: ExportTarget, path: str, hw: Sequence[int] = (512, 512),
         # the exporter may still have frozen a size computed in Python (int() of a
         # symbolic size, caches keyed by shape): run the file at another, non-square size
         probe = (max(d_lo[0], H * 3 // 4), min(W + 32, d_hi[1]))
-        worst = _probe(target, path, probe)
+        worst = _probe(target, path, probe, verify_tol)
         if worst > verify_tol:
             static_reason = (f'the exported graph differs from PyTorch at {probe[0]}x{probe[1]} '
                              f'(max relative difference {worst:.2e}): a size is fixed in it')
             messages.append(f'--dynamic not possible: {static_reason}; the file is valid for '
                             f'{H}x{W} only')
             is_dynamic = False
-    meta = {
+    meta = _metadata(target, (H, W), (d_lo, d_hi) if is_dynamic else None, static_reason,
+                     uses_custom_ops)
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, {META_PREFIX + k: v for k, v in meta.items()})
+    onnx.save(model, path)
+    verified = (_verify_custom_ops(target, path, (H, W), library, no_library, verify_tol,
+                                   messages) if uses_custom_ops else None)
+    return ExportResult(path, meta, messages, verified)
+
+
+def _metadata(target: ExportTarget, hw: Tuple[int, int],
+              size_range: Optional[Tuple[Tuple[int, int], Tuple[int, int]]],
+              static_reason: Optional[str], uses_custom_ops: bool) -> Dict[str, str]:
+    """The file's ``metadata_props`` (``size_range``: ``(min, max)`` of a dynamic file)."""
+    lo, hi = size_range or (hw, hw)
+    return {
         'kind': target.kind,
         'source': target.name,
         'input': target.input_format,
         'outputs': json.dumps(list(target.output_names)),
         'batch': '1',
-        'export_hw': json.dumps([H, W]),
-        'dynamic': 'true' if is_dynamic else 'false',
-        'min_hw': json.dumps(list(d_lo) if is_dynamic else [H, W]),
-        'max_hw': json.dumps(list(d_hi) if is_dynamic else [H, W]),
+        'export_hw': json.dumps(list(hw)),
+        'dynamic': 'true' if size_range else 'false',
+        'min_hw': json.dumps(list(lo)),
+        'max_hw': json.dumps(list(hi)),
         'static_reason': static_reason or '',
         'custom_ops': ort_ops.DOMAIN if uses_custom_ops else '',
         'notes': ' | '.join(target.notes),
         'torch': torch.__version__,
     }
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, {META_PREFIX + k: v for k, v in meta.items()})
-    onnx.save(model, path)
-    return ExportResult(path, meta, messages)
 
 
-def _probe(target: ExportTarget, path: str, hw: Sequence[int]) -> float:
+def _probe(target: ExportTarget, path: str, hw: Sequence[int], tol: float) -> float:
     session = ort_session(path)
     x = target.example_input(hw)
-    with torch.no_grad():
-        ref = target.module(x)
+    ref = graph_form_outputs(target, x)
     try:
         out = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-        check = compare_outputs(target, ref, out)
+        check = compare_outputs(target, ref, out, rtol=tol)
     except Exception:  # e.g. a reshape to the export size: not valid at this size
         return float('inf')
     return float('inf') if check.unmatched_fraction > MAX_UNMATCHED else max(check.diffs)
+
+
+def graph_form_outputs(target: ExportTarget, x: torch.Tensor,
+                       custom_ops: bool = False) -> Tuple[torch.Tensor, ...]:
+    """``target.module(x)`` run eagerly as the exported graph computes it: inside
+    ``capture.graph_form()`` (QuadTree's tile form, or with ``custom_ops`` its level
+    operator, whose PyTorch implementation is that form), under the export rewrites,
+    without the fused CPU kernel."""
+    with torch.no_grad(), cpu_kernels.use_cpu_kernels(False), export_rewrites(), \
+            graph_form(), runtime_custom_ops(custom_ops):
+        return target.module(x)
 
 
 #: largest share of instances (proposals) that may have no counterpart in a check
@@ -294,6 +398,11 @@ class Check(NamedTuple):
     diffs: List[float]
     unmatched: Tuple[int, int] = (0, 0)
     instances: Tuple[int, int] = (0, 0)
+    #: ONNX Runtime vs eager PyTorch (``compare_with_pytorch(eager=True)``): not a verdict
+    eager: Optional['Check'] = None
+    #: top-k selections eager PyTorch made otherwise than the graph form, and all of them
+    #: (``None``: not counted, the two made different selection calls)
+    flips: Optional[Tuple[int, int]] = None
 
     @property
     def unmatched_fraction(self) -> float:
@@ -346,7 +455,8 @@ def match_instances(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarra
 
 
 def compare_outputs(target: ExportTarget, reference: Sequence[torch.Tensor],
-                    outputs: Sequence[np.ndarray], hw: Sequence[int] = (0, 0)) -> Check:
+                    outputs: Sequence[np.ndarray], hw: Sequence[int] = (0, 0),
+                    rtol: float = 1e-4) -> Check:
     """ONNX Runtime ``outputs`` vs PyTorch ``reference`` of ``target``.
 
     Without ``target.instance_key`` every output is compared element-wise
@@ -355,7 +465,8 @@ def compare_outputs(target: ExportTarget, reference: Sequence[torch.Tensor],
     which a 1e-6 difference in a score or an IoU can flip for near-ties: instances are
     matched by those outputs' rows (``match_instances``), every per-instance output
     (first dimension = the instance count, or a prefix of it such as the first 100 for
-    masks) is compared on matched rows, and the unmatched instances are counted."""
+    masks) is compared on matched rows, and the unmatched instances are counted (rows
+    match within ``rtol``)."""
     hw = (int(hw[0]), int(hw[1]))
     if target.instance_key is None:
         return Check(hw, max_relative_differences(reference, outputs))
@@ -365,7 +476,7 @@ def compare_outputs(target: ExportTarget, reference: Sequence[torch.Tensor],
     out = [np.asarray(o, dtype=np.float64) for o in outputs]
     keys = [list(target.output_names).index(name) for name in target.instance_key]
     n_ref, n_out = len(ref[keys[0]]), len(out[keys[0]])
-    pairs = match_instances([ref[i] for i in keys], [out[i] for i in keys])
+    pairs = match_instances([ref[i] for i in keys], [out[i] for i in keys], rtol)
     diffs = []
     for i, (r, o) in enumerate(zip(ref, out)):
         if r.shape[1:] != o.shape[1:] or r.ndim == 0:
@@ -379,15 +490,69 @@ def compare_outputs(target: ExportTarget, reference: Sequence[torch.Tensor],
     return Check(hw, diffs, (n_ref - len(pairs), n_out - len(pairs)), (n_ref, n_out))
 
 
-def compare_with_pytorch(target: ExportTarget, path: str,
-                         sizes: Sequence[Sequence[int]]) -> List[Check]:
-    """Run the file in ONNX Runtime (CPU) on the demo image at each size and compare
-    with PyTorch eager (``compare_outputs``)."""
+def compare_with_pytorch(target: ExportTarget, path: str, sizes: Sequence[Sequence[int]],
+                         tol: float = 1e-4, eager: bool = True) -> List[Check]:
+    """Run the file in ONNX Runtime (CPU) on the demo image at each size and compare with
+    PyTorch running the same graph form (``graph_form_outputs``; ``compare_outputs``,
+    instances matched within ``tol``). With ``eager``, each check also holds how far eager
+    PyTorch is from ONNX Runtime (``Check.eager``) and how many top-k selections eager made
+    otherwise than the graph form (``Check.flips``)."""
     session = OnnxModel(path)
+    custom = bool(session.meta.get('custom_ops'))
     results = []
     for hw in sizes:
         x = target.example_input(hw)
-        with torch.no_grad():
-            ref = target.module(x)
-        results.append(compare_outputs(target, ref, session(x), hw))
+        out = session(x)
+        with SelectionRecorder() as graph:
+            ref = graph_form_outputs(target, x, custom)
+        check = compare_outputs(target, ref, out, hw, tol)
+        if eager:
+            with SelectionRecorder() as plain, torch.no_grad():
+                eager_ref = target.module(x)
+            if not custom and _runtime_operators(target.module):
+                # (the level operator: one selection per QuadTree level, as the CPU
+                # kernel makes it, where the tile form selects per tile)
+                with SelectionRecorder() as graph:
+                    graph_form_outputs(target, x, custom_ops=True)
+            check = check._replace(eager=compare_outputs(target, eager_ref, out, hw, tol),
+                                   flips=count_flips(plain.selections, graph.selections))
+        results.append(check)
     return results
+
+
+#: operators that select (name -> index of the output holding the selected indices)
+SELECTING_OPS = {'aten::topk': 1, 'flatten_mm::quadtree_level': 0,
+                 'flatten_mm_graph::quadtree_level': 1}
+
+
+class SelectionRecorder(TorchDispatchMode):
+    """Inside the block, ``selections`` gets the indices every top-k selection returned
+    (``torch.topk``, QuadTree's level operators: ``SELECTING_OPS``), in call order, each
+    ``(rows, k)`` with the selecting dimension last."""
+
+    def __init__(self):
+        super().__init__()
+        self.selections: List[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        which = SELECTING_OPS.get(func._schema.name)
+        if which is not None:
+            idx = out[which]
+            if func._schema.name == 'aten::topk':
+                dim = (kwargs or {}).get('dim', args[2] if len(args) > 2 else -1)
+                idx = idx.movedim(dim, -1)
+            if idx.numel():
+                self.selections.append(idx.detach().reshape(-1, idx.shape[-1]).clone())
+        return out
+
+
+def count_flips(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
+                ) -> Optional[Tuple[int, int]]:
+    """``(selections that differ, selections)`` between two runs' ``SelectionRecorder``
+    lists: rows whose selected sets differ; ``None`` when the runs made other calls."""
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return None
+    flipped = sum(int((x.sort(-1).values != y.sort(-1).values).any(-1).sum())
+                  for x, y in zip(a, b))
+    return flipped, sum(len(x) for x in a)

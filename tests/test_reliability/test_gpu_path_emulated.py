@@ -33,6 +33,7 @@ gradients.
 """
 import contextlib
 import os
+import threading
 import warnings
 
 import pytest
@@ -63,6 +64,19 @@ FAMILIES = {
 }
 #: families whose operators have no Triton kernels (the auto mode must still change nothing)
 NO_KERNELS = {'sima-xcit'}
+#: family -> the kernel operators (first-use key names) its training step must run, at
+#: float32 and at each autocast dtype
+KERNEL_OPS = {
+    'flatten-pvt': {'fla_projected'},
+    'flatten-pvt-v2': {'fla_projected'},
+    'flatten-swin': {'fla_projected'},
+    'flatten-cswin': {'fla_core'},
+    'quadtree-b': {'qt_scores', 'qt_final_b'},
+    'quadtree-a': {'qt_scores', 'qt_messages', 'qt_final_a'},
+    'hybrid-pvt-v2': {'qt_scores', 'qt_final_b', 'fla_projected'},
+}
+#: the first-use check's thread (``dispatch.run_isolated``)
+CHECK_THREAD = 'flatten_mm-first-use-check'
 FEATURES = ['plain', 'with_cp', 'frozen_stages', 'bf16', 'fp16', 'compile', 'compile-pytorch']
 AMP = {'bf16': torch.bfloat16, 'fp16': torch.float16}
 INPUT_HW = (64, 64)
@@ -153,17 +167,58 @@ def no_warnings_of_ours():
     assert not ours, ours
 
 
-def assert_kernels_served(family: str):
+class KernelLaunches:
+    """Stands in for ``torch.library.wrap_triton`` and records, for every Triton launch
+    the step makes itself (not a first-use check's thread), the kernel and the dtypes of
+    its tensor arguments."""
+
+    def __init__(self):
+        self.real = torch.library.wrap_triton
+        self.launches = set()
+
+    def __call__(self, kernel):
+        wrapped, recorder = self.real(kernel), self
+
+        class Grid:
+            def __getitem__(self, grid):
+                launch = wrapped[grid]
+
+                def run(*args, **kwargs):
+                    if threading.current_thread().name != CHECK_THREAD:
+                        dtypes = frozenset(str(a.dtype).replace('torch.', '') for a in args
+                                           if isinstance(a, torch.Tensor))
+                        recorder.launches.add((kernel.__name__, dtypes))
+                    return launch(*args, **kwargs)
+                return run
+        return Grid()
+
+
+def assert_kernels_served(family: str, amp=None, launches=None):
+    """Every verdict made passed; a family with kernels has a passing verdict for each
+    of its operators at the step's dtype (``amp``: the autocast dtype; a kernel that
+    declined it would leave the PyTorch path compared with itself) and, where
+    ``launches`` recorded them, kernels ran in the step on tensors of that dtype."""
     verdicts = dispatch.verdicts()
     assert all(verdicts.values()), {k: v for k, v in verdicts.items() if not v}
-    if family not in NO_KERNELS:
-        assert verdicts, 'no kernel configuration was checked: the kernels did not run'
+    if family in NO_KERNELS:
+        assert not verdicts, verdicts  # (no operator of it has kernels)
+        return
+    dtype = 'float32' if amp is None else str(amp).replace('torch.', '')
+    # (the key holds the output dtype and every input's layout with its dtype: QuadTree's
+    # queries stay float32 under autocast, its keys and values reach the kernels in it)
+    passed = {key[0] for (_, _, key), ok in verdicts.items() if ok and dtype in repr(key)}
+    missing = KERNEL_OPS[family] - passed
+    assert not missing, (f'no passing {dtype} verdict for {sorted(missing)}: the kernels '
+                         f'did not serve them', sorted({k[2][:2] for k in verdicts}))
+    if launches is not None:
+        ran = {name for name, dtypes in launches.launches if dtype in dtypes}
+        assert ran, f'no kernel ran in the step on {dtype} tensors: {launches.launches}'
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize('feature', FEATURES)
 @pytest.mark.parametrize('family', list(FAMILIES))
-def test_training_step_through_the_kernels(emulated_gpu, family, feature):
+def test_training_step_through_the_kernels(emulated_gpu, monkeypatch, family, feature):
     overrides = {'with_cp': dict(with_cp=True), 'frozen_stages': dict(frozen_stages=1)}
     model = build(family, **overrides.get(feature, {}))
     x = torch.randn(2, 3, *INPUT_HW, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -178,10 +233,16 @@ def test_training_step_through_the_kernels(emulated_gpu, family, feature):
     # (Triton's interpreter cannot be traced by AOT autograd: eagerly run graphs on the
     # CPU, Inductor on a GPU)
     backend = 'eager' if DEVICE == 'cpu' else 'inductor'
+    launches = None
+    if amp is not None:
+        launches = KernelLaunches()
+        monkeypatch.setattr(torch.library, 'wrap_triton', launches)
     with no_warnings_of_ours():
         got = train_step(model, x, amp,
                          compiled=dict(backend=backend) if feature == 'compile' else None)
-    assert_kernels_served(family)
+    if launches is not None:
+        monkeypatch.setattr(torch.library, 'wrap_triton', launches.real)
+    assert_kernels_served(family, amp, launches)
     with pytorch_path():
         ref = train_step(model, x, amp)
     if feature == 'frozen_stages':

@@ -8,6 +8,9 @@ FLA key mean as a matrix product). Values are the same up to float rounding.
 Inside ``runtime_custom_ops()`` a captured graph may also use operators that only a
 runtime with flatten_mm's custom operator library runs (``quadtree_graph_op``): the
 exporter that enables them maps them to that runtime's nodes.
+
+Inside ``graph_form()`` an eager forward takes the captured forms too: what an exported
+file computes, run by PyTorch (the reference an export check compares a runtime with).
 """
 import contextlib
 from typing import Iterator
@@ -15,11 +18,27 @@ from typing import Iterator
 import torch
 
 _custom_ops = False
+_graph_form = False
 
 
 def graph_capture() -> bool:
-    """``True`` inside ``torch.export`` / ``torch.onnx.export`` or TorchScript tracing."""
-    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+    """``True`` inside ``torch.export`` / ``torch.onnx.export``, TorchScript tracing or
+    ``graph_form()``."""
+    return _graph_form or torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
+@contextlib.contextmanager
+def graph_form(enabled: bool = True) -> Iterator[None]:
+    """Run eager forwards inside the block in the forms a captured graph takes
+    (``graph_capture()`` is ``True``): the same computation as the exported file, up to
+    float rounding, where eager PyTorch may sum in another order (QuadTree's fused CPU
+    kernel) and so break near-ties of a top-k differently. Not thread-safe."""
+    global _graph_form
+    previous, _graph_form = _graph_form, bool(enabled)
+    try:
+        yield
+    finally:
+        _graph_form = previous
 
 
 @contextlib.contextmanager
