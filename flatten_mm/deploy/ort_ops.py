@@ -10,33 +10,32 @@ wherever it runs.
 
 Building needs a C++17 compiler and ONNX Runtime's C API headers (no library to link:
 ONNX Runtime hands its API table to ``RegisterCustomOps``). The ``onnxruntime`` wheels
-ship no headers; they are taken from, in order:
+ship no headers; they are taken from where the user has them, in order:
 
-1. ``$FLATTEN_MM_ORT_INCLUDE`` (a folder holding ``onnxruntime_c_api.h``, or its parent);
-2. the cache ``fetch_headers`` fills (``tools/deployment/build_ort_ops.py fetch-headers``, run by
-   ``scripts/setup_env.sh``): Debian's ``libonnxruntime-dev`` package, checked
-   against the SHA-256 of the Debian package index;
-3. a system install (``/usr/include/onnxruntime``, ``/usr/local/include/onnxruntime``).
+1. ``$FLATTEN_MM_ORT_INCLUDE`` (a folder holding ``onnxruntime_c_api.h``, or its parent),
+   e.g. the ``include/`` folder of ONNX Runtime's release archive;
+2. the system's ``libonnxruntime-dev`` (``apt-get install libonnxruntime-dev`` on Debian 13
+   / Ubuntu): ``/usr/include/onnxruntime``, ``/usr/local/include/onnxruntime``,
+   ``/usr/include``, ``/usr/local/include``.
 
-A library built against the headers of ONNX Runtime X loads in ONNX Runtime >= X (the C
-API only grows). The build is cached under ``$FLATTEN_MM_EXT_DIR`` (default
-``~/.cache/flatten_mm/ext``), keyed by the sources, the flags and the headers' API version.
+Nothing is downloaded. The headers' ``ORT_API_VERSION`` N (ONNX Runtime 1.N) must not be
+newer than the installed ``onnxruntime``: a library built against them loads in ONNX
+Runtime >= 1.N only (the C API only grows), so newer headers are refused before building.
+The build is cached under ``$FLATTEN_MM_EXT_DIR`` (default ``~/.cache/flatten_mm/ext``),
+keyed by the sources, the flags and the headers' API version. It is compiled with AVX2 and
+FMA where the building CPU has them (``FLATTEN_MM_CPU_ISA=generic``: without), records
+them, and refuses to register (an error status, not a crash) on a CPU without them.
 
-Command line: ``tools/deployment/build_ort_ops.py {fetch-headers,build,status}``.
+Command line: ``tools/deployment/build_ort_ops.py {build,status,headers}``.
 """
+import ctypes
 import hashlib
-import io
-import lzma
+import importlib.metadata
 import os
 import os.path as osp
-import platform
 import re
-import shutil
 import subprocess
-import tarfile
-import tempfile
 import threading
-import urllib.request
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -47,18 +46,21 @@ from ..models.ops import quadtree_graph_op  # noqa: F401 (defines the PyTorch gr
 
 #: the operators' ONNX domain (``opset_import`` of a file that uses them)
 DOMAIN = 'flatten_mm'
-#: the command line that fetches the headers and builds the library
+#: the command line that builds the library
 TOOL = 'python tools/deployment/build_ort_ops.py'
 #: folder holding ``onnxruntime_c_api.h``, searched first
 ENV_INCLUDE = 'FLATTEN_MM_ORT_INCLUDE'
-#: Debian mirror and release ``fetch_headers`` reads (a release that has libonnxruntime-dev)
-DEBIAN_MIRROR = os.environ.get('FLATTEN_MM_DEBIAN_MIRROR', 'https://deb.debian.org/debian')
-DEBIAN_SUITE = 'trixie'
+#: the system package that ships the headers (Debian 13 / Ubuntu)
+SYSTEM_PACKAGE = 'libonnxruntime-dev'
 _HEADER = 'onnxruntime_c_api.h'
-_SYSTEM_INCLUDES = ('/usr/include/onnxruntime', '/usr/local/include/onnxruntime')
+#: where the system package manager puts the headers, searched after ``ENV_INCLUDE``
+_SYSTEM_INCLUDES = ('/usr/include/onnxruntime', '/usr/local/include/onnxruntime',
+                    '/usr/include', '/usr/local/include')
 _HERE = osp.dirname(osp.abspath(__file__))
 _SOURCES = (osp.join(_HERE, 'csrc', 'quadtree_ort.cpp'),
+            osp.join(_HERE, 'csrc', 'isa_guard.cpp'),
             osp.join(_HERE, '..', 'models', 'ops', 'csrc', 'quadtree_level.h'))
+_LIBRARY = 'libflatten_mm_ort_ops.so'
 
 _lock = threading.Lock()
 _built: Dict[str, Optional[str]] = {}  # header folder -> library path (None: failed)
@@ -70,165 +72,163 @@ def _cache_root() -> str:
         os.environ.get('XDG_CACHE_HOME') or osp.expanduser('~/.cache'), 'flatten_mm', 'ext')
 
 
-def _fetched_include() -> str:
-    return osp.join(_cache_root(), 'ort_headers', 'include', 'onnxruntime')
-
-
 def header_dir() -> Optional[str]:
     """The first folder holding ``onnxruntime_c_api.h`` (see the module doc), or ``None``."""
     given = os.environ.get(ENV_INCLUDE, '')
-    candidates = [given, osp.join(given, 'onnxruntime') if given else '', _fetched_include(),
-                  *_SYSTEM_INCLUDES]
-    return next((d for d in candidates if d and osp.isfile(osp.join(d, _HEADER))), None)
+    candidates = [given, osp.join(given, 'onnxruntime')] if given else []
+    candidates += _SYSTEM_INCLUDES
+    return next((d for d in candidates if osp.isfile(osp.join(d, _HEADER))), None)
 
 
 def api_version(include: str) -> int:
     """``ORT_API_VERSION`` of the headers in ``include`` (ONNX Runtime 1.N has API N)."""
-    with open(osp.join(include, _HEADER)) as f:
-        match = re.search(r'#define ORT_API_VERSION (\d+)', f.read())
+    with open(osp.join(include, _HEADER), errors='replace') as f:
+        match = re.search(r'^\s*#\s*define\s+ORT_API_VERSION\s+(\d+)', f.read(), flags=re.M)
     if match is None:
         raise RuntimeError(f'{include}/{_HEADER} defines no ORT_API_VERSION')
     return int(match.group(1))
 
 
-def _debian_arch() -> str:
-    return {'x86_64': 'amd64', 'AMD64': 'amd64', 'aarch64': 'arm64',
-            'arm64': 'arm64'}.get(platform.machine(), 'amd64')
-
-
-def _package_entry(index: str, package: str) -> Dict[str, str]:
-    for stanza in index.split('\n\n'):
-        fields = dict(re.findall(r'^([\w-]+): (.*)$', stanza, flags=re.M))
-        if fields.get('Package') == package:
-            return fields
-    raise RuntimeError(f'{package} is not in the Debian package index')
-
-
-def _ar_member(data: bytes, prefix: str) -> Tuple[str, bytes]:
-    """The first member of the ``ar`` archive ``data`` (a .deb) whose name starts with
-    ``prefix``."""
-    if not data.startswith(b'!<arch>\n'):
-        raise RuntimeError('not a Debian package (no ar signature)')
-    pos = 8
-    while pos + 60 <= len(data):
-        name = data[pos:pos + 16].decode().strip().rstrip('/')
-        size = int(data[pos + 48:pos + 58].decode().strip())
-        if name.startswith(prefix):
-            return name, data[pos + 60:pos + 60 + size]
-        pos += 60 + size + (size & 1)
-    raise RuntimeError(f'the package has no {prefix}* member')
-
-
-def fetch_headers(suite: str = DEBIAN_SUITE, mirror: str = DEBIAN_MIRROR,
-                  timeout: float = 120) -> str:
-    """Download Debian's ``libonnxruntime-dev`` for ``suite`` and unpack its headers into
-    the cache; returns the folder. The package's SHA-256 is checked against the index."""
-    arch = _debian_arch()
-    url = f'{mirror}/dists/{suite}/main/binary-{arch}/Packages.xz'
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        index = lzma.decompress(r.read()).decode('utf-8', 'replace')
-    entry = _package_entry(index, 'libonnxruntime-dev')
-    with urllib.request.urlopen(f'{mirror}/{entry["Filename"]}', timeout=timeout) as r:
-        deb = r.read()
-    if hashlib.sha256(deb).hexdigest() != entry['SHA256']:
-        raise RuntimeError(f'{entry["Filename"]}: SHA-256 differs from the package index')
-    name, payload = _ar_member(deb, 'data.tar')
-    dest = _fetched_include()
-    os.makedirs(osp.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=osp.dirname(dest))  # same file system: an atomic rename
+def runtime_version() -> Optional[Tuple[str, int]]:
+    """The installed ``onnxruntime``'s version and C API version (1.N -> N), or ``None``
+    when it is not installed."""
     try:
-        try:  # (xz, gz, bz2 or plain; Debian uses xz)
-            tar = tarfile.open(fileobj=io.BytesIO(payload))
-        except tarfile.ReadError as e:
-            raise RuntimeError(f'cannot unpack {name} of {entry["Filename"]}: {e}') from e
-        with tar:
-            for member in tar.getmembers():
-                path = osp.normpath(member.name)
-                if (member.isfile() and path.startswith('usr/include/onnxruntime/')
-                        and '..' not in path.split('/')):
-                    target = osp.join(tmp, path[len('usr/include/onnxruntime/'):])
-                    os.makedirs(osp.dirname(target), exist_ok=True)
-                    with tar.extractfile(member) as src, open(target, 'wb') as out:
-                        shutil.copyfileobj(src, out)
-        if not osp.isfile(osp.join(tmp, _HEADER)):
-            raise RuntimeError(f'{entry["Filename"]} holds no {_HEADER}')
-        with open(osp.join(tmp, 'SOURCE'), 'w') as f:
-            f.write(f'{mirror}/{entry["Filename"]} (Debian {suite}, version '
-                    f'{entry.get("Version", "?")}, sha256 {entry["SHA256"]})\n')
-        if osp.isdir(dest):
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        version = importlib.metadata.version('onnxruntime')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    match = re.match(r'1\.(\d+)', version)
+    return (version, int(match.group(1))) if match else None
+
+
+def missing_headers_message() -> str:
+    """Why there are no headers, and the two ways to get them."""
+    runtime = runtime_version()
+    release = runtime[0] if runtime else '<version>'
+    searched = ', '.join(([f'${ENV_INCLUDE}'] if os.environ.get(ENV_INCLUDE) else [])
+                         + list(_SYSTEM_INCLUDES))
+    return (f'no ONNX Runtime headers ({_HEADER} in {searched}): install them with '
+            f'`apt-get install {SYSTEM_PACKAGE}` (Debian 13 / Ubuntu), or extract ONNX '
+            f'Runtime\'s release archive (onnxruntime-linux-x64-{release}.tgz, the installed '
+            f'version) and set {ENV_INCLUDE}=<release archive>/include')
+
+
+def check_api(include: str) -> str:
+    """Refuse headers newer than the installed ``onnxruntime`` (the library would not load
+    in it); returns one line naming both versions.
+
+    Raises:
+        RuntimeError: the headers' API is newer than the runtime's."""
+    api = api_version(include)
+    runtime = runtime_version()
+    if runtime is None:
+        return f'headers {include} (ORT_API_VERSION {api}); onnxruntime not installed'
+    version, runtime_api = runtime
+    line = (f'headers {include} (ORT_API_VERSION {api}, ONNX Runtime 1.{api}); '
+            f'onnxruntime {version} (API {runtime_api})')
+    if api > runtime_api:
+        raise RuntimeError(
+            f'the ONNX Runtime headers in {include} are of ONNX Runtime 1.{api} '
+            f'(ORT_API_VERSION {api}), newer than the installed onnxruntime {version} (API {runtime_api}): a '
+            f'library built against them would not load in it. Use headers of ONNX Runtime '
+            f'1.{runtime_api} or older ({ENV_INCLUDE}), or upgrade onnxruntime')
+    return line
+
+
+def _flags() -> List[str]:
+    return ['-O3', '-std=c++17', '-fPIC', '-fno-math-errno', '-fopenmp-simd',
+            '-fvisibility=hidden']
+
+
+def compile_library(include: str, library: str, isa: Optional[List[str]] = None) -> str:
+    """Compile the operator library into ``library`` (a whole file or none): the operator
+    with ``isa`` (default: ``quadtree_cpu.isa_flags()``, AVX2 + FMA where this CPU has
+    them), its entry point ``RegisterCustomOps`` without (``csrc/isa_guard.cpp``: it
+    checks the CPU has what the rest was compiled for before running any of it)."""
+    isa = quadtree_cpu.isa_flags() if isa is None else list(isa)
+    compiler = os.environ.get('CXX', 'c++')
+    partial = f'{library}.{os.getpid()}.{threading.get_ident()}'
+    includes = [f'-I{include}', f'-I{osp.dirname(_SOURCES[2])}']
+    steps = [[compiler, *_flags(), *isa, *includes, '-c', _SOURCES[0], '-o', f'{partial}.op.o'],
+             [compiler, *_flags(), *includes, '-c', _SOURCES[1], '-o', f'{partial}.guard.o'],
+             [compiler, '-shared', f'{partial}.op.o', f'{partial}.guard.o', '-o', partial]]
+    try:
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f'{" ".join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}')
+        os.replace(partial, library)  # whole file or none: another process may be loading it
     finally:
-        if osp.isdir(tmp):
-            shutil.rmtree(tmp)
-    return dest
-
-
-def _compile_flags() -> List[str]:
-    # (the ISA choice of the PyTorch kernel: AVX2 + FMA where this CPU has them)
-    return ['-O3', '-std=c++17', '-shared', '-fPIC', '-fno-math-errno', '-fopenmp-simd',
-            '-fvisibility=hidden'] + quadtree_cpu.isa_flags()
+        for path in (f'{partial}.op.o', f'{partial}.guard.o', partial):
+            if osp.exists(path):
+                os.remove(path)
+    return library
 
 
 def _build(include: str) -> str:
-    flags = _compile_flags()
-    digest = hashlib.sha1(' '.join(flags + [str(api_version(include))]).encode())
+    isa = quadtree_cpu.isa_flags()
+    digest = hashlib.sha1(' '.join(_flags() + isa + [str(api_version(include))]).encode())
     for path in _SOURCES:
         with open(path, 'rb') as f:
             digest.update(f.read())
     folder = osp.join(_cache_root(), 'ort_ops', digest.hexdigest()[:10])
-    library = osp.join(folder, 'libflatten_mm_ort_ops.so')
-    if osp.isfile(library):
-        return library
-    os.makedirs(folder, exist_ok=True)
-    compiler = os.environ.get('CXX', 'c++')
-    partial = f'{library}.{os.getpid()}.tmp'
-    cmd = [compiler, *flags, f'-I{include}', f'-I{osp.dirname(_SOURCES[1])}', _SOURCES[0],
-           '-o', partial]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f'{" ".join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}')
-    os.replace(partial, library)  # whole file or none: another process may be loading it
+    library = osp.join(folder, _LIBRARY)
+    if not osp.isfile(library):
+        os.makedirs(folder, exist_ok=True)
+        compile_library(include, library, isa)
     return library
+
+
+def library_isa(library: str) -> List[str]:
+    """The instruction sets beyond the architecture's baseline that ``library`` was compiled
+    for (its exported ``flatten_mm_ort_ops_isa``), e.g. ``['avx', 'avx2', 'fma']``; the
+    library refuses to register on a CPU without them. (Loads it into this process.)"""
+    function = ctypes.CDLL(library).flatten_mm_ort_ops_isa
+    function.restype = ctypes.c_char_p
+    return function().decode().split()
 
 
 def library_path() -> Optional[str]:
     """The built operator library (built on the first call), or ``None`` when it cannot be
-    built: no headers or a compiler error (warned once per process; ``RuntimeError`` with
+    built: no headers (see ``missing_headers_message``; the headers are an optional system
+    package, so this is never an error), headers newer than the installed onnxruntime, or a
+    compiler error (these warned once per process; ``RuntimeError`` with
     ``FLATTEN_MM_REQUIRE_CPU_KERNELS=1``, as CI sets)."""
     include = header_dir()
     key = include or ''
     with _lock:
         if key not in _built:
-            try:
-                if include is None:
-                    raise RuntimeError(
-                        f'no ONNX Runtime C API headers ({_HEADER}): run `{TOOL} '
-                        f'fetch-headers` (or {__name__}.fetch_headers()), or point '
-                        f'{ENV_INCLUDE} at an onnxruntime include folder')
-                _built[key] = _build(include)
-            except Exception as e:  # no headers, no compiler, compile error
-                _built[key] = None
-                _errors[key] = f'{type(e).__name__}: {e}'
-                if not quadtree_cpu.build_required():
-                    warnings.warn('flatten_mm: the ONNX Runtime custom operators could not be '
-                                  f'built. Reason: {_errors[key]}', RuntimeWarning,
-                                  stacklevel=2)
-    if _built[key] is None and quadtree_cpu.build_required():
+            _built[key] = None
+            if include is None:
+                _errors[key] = missing_headers_message()
+            else:
+                try:
+                    check_api(include)
+                    _built[key] = _build(include)
+                except Exception as e:  # newer headers, no compiler, compile error
+                    _errors[key] = f'{type(e).__name__}: {e}'
+            if _built[key] is None and (include is None or not quadtree_cpu.build_required()):
+                warnings.warn('flatten_mm: the ONNX Runtime custom operators could not be '
+                              f'built. Reason: {_errors[key]}', RuntimeWarning, stacklevel=2)
+    if _built[key] is None and include is not None and quadtree_cpu.build_required():
         raise RuntimeError('flatten_mm: the ONNX Runtime custom operators could not be built '
                            f'(FLATTEN_MM_REQUIRE_CPU_KERNELS is set): {_errors[key]}')
     return _built[key]
 
 
 def status() -> str:
-    """One line: the library's path, or why there is none."""
+    """One line: the library's path, or why there is none; with the headers' and the
+    installed onnxruntime's API versions."""
     include = header_dir()
     if include is None:
-        return f'unavailable: no ONNX Runtime headers (see {TOOL} fetch-headers)'
-    key = include
-    if key not in _built:
-        return f'not built yet (headers: {include}, API {api_version(include)})'
-    return _built[key] or f'unavailable: {_errors[key]}'
+        return f'unavailable: {missing_headers_message()}'
+    try:
+        versions = check_api(include)
+    except RuntimeError as e:
+        return f'unavailable: {e}'
+    if include not in _built:
+        return f'not built yet ({versions})'
+    library = _built[include]
+    return f'{library} ({versions})' if library else f'unavailable: {_errors[include]}'
 
 
 def uses_custom_ops(model) -> bool:

@@ -4,7 +4,8 @@
 //
 // Part of flatten_mm (Apache-2.0). Built by flatten_mm/deploy/ort_ops.py against ONNX
 // Runtime's C API header only (nothing to link: the API table comes in through
-// RegisterCustomOps). The plain-operator graph (models/ops/quadtree_tiles.py) computes
+// RegisterCustomOps, in isa_guard.cpp: it checks the CPU first, then calls
+// flatten_mm_register_ops here). The plain-operator graph (models/ops/quadtree_tiles.py) computes
 // the same level with standard ONNX operators; this operator reads each parent's candidate
 // rows in place instead of writing gathered (N, 4K, d) tiles first.
 //
@@ -29,24 +30,71 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "quadtree_level.h"
 
+// The instruction sets beyond the architecture's baseline this file was compiled for
+// (space-separated __builtin_cpu_supports names): isa_guard.cpp refuses to register the
+// operators on a CPU without one of them, instead of dying with SIGILL in them.
+extern "C" const char flatten_mm_ort_isa[] = ""
+#if defined(__AVX__)
+    " avx"
+#endif
+#if defined(__AVX2__)
+    " avx2"
+#endif
+#if defined(__FMA__)
+    " fma"
+#endif
+#if defined(__F16C__)
+    " f16c"
+#endif
+#if defined(__BMI__)
+    " bmi"
+#endif
+#if defined(__BMI2__)
+    " bmi2"
+#endif
+#if defined(__AVX512F__)
+    " avx512f"
+#endif
+#if defined(__AVX512CD__)
+    " avx512cd"
+#endif
+#if defined(__AVX512BW__)
+    " avx512bw"
+#endif
+#if defined(__AVX512DQ__)
+    " avx512dq"
+#endif
+#if defined(__AVX512VL__)
+    " avx512vl"
+#endif
+#if defined(__AVX512FP16__)
+    " avx512fp16"
+#endif
+    "";
+
 namespace {
 
+using flatten_mm_quadtree::InputError;
 using flatten_mm_quadtree::LevelArgs;
 
 constexpr const char* kDomain = "flatten_mm";
 constexpr const char* kOpName = "QuadTreeLevel";
 
-// run_level's parallel_for on the session's intra-op pool: chunks of `grain` tasks
+// run_level's parallel_for on the session's intra-op pool: chunks of `grain` tasks. fn
+// never throws (run_level wraps it in parallel_for_carrying): nothing may leave run_chunk,
+// which ONNX Runtime calls through a C function pointer.
 struct OrtParallelFor {
   const OrtKernelContext* context;
 
   template <typename Fn>
   void operator()(int64_t tasks, int64_t grain, const Fn& fn) const {
+    static_assert(noexcept(fn(int64_t{0}, int64_t{0})), "the pool's callback must not throw");
     struct Job {
       const Fn* fn;
       int64_t tasks, grain;
@@ -62,20 +110,32 @@ struct OrtParallelFor {
   }
 };
 
-struct LevelError : std::exception {
-  std::string what_;
-  explicit LevelError(std::string w) : what_(std::move(w)) {}
-  const char* what() const noexcept override { return what_.c_str(); }
-};
-
 inline void require(bool ok, const std::string& message) {
-  if (!ok) throw LevelError(std::string(kDomain) + "::" + kOpName + ": " + message);
+  if (!ok) throw InputError(message);
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "(";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + ")";
+}
+
+// a status for whatever the kernel threw, named after the operator
+OrtStatusPtr status_of(const OrtApi& api, std::exception_ptr error) {
+  const std::string op = std::string(kDomain) + "::" + kOpName + ": ";
+  try {
+    std::rethrow_exception(error);
+  } catch (const InputError& e) {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (op + e.what()).c_str());
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), (op + e.what()).c_str());
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, (op + "out of memory (std::bad_alloc)").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, (op + e.what()).c_str());
+  } catch (...) {
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, (op + "unknown exception").c_str());
+  }
 }
 
 struct QuadTreeLevelKernel {
@@ -91,37 +151,38 @@ struct QuadTreeLevelKernel {
     type_a = ki.GetAttribute<int64_t>("type_a") != 0;
   }
 
-  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) noexcept {
     try {
       Compute(context);
       return nullptr;
-    } catch (const Ort::Exception& e) {
-      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    } catch (...) {
+      return status_of(Ort::GetApi(), std::current_exception());
     }
   }
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
+    require(ctx.GetInputCount() == 6 && ctx.GetOutputCount() == 3,
+            "6 inputs and 3 outputs expected");
     const Ort::ConstValue q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2);
     const Ort::ConstValue prev_idx = ctx.GetInput(3), prev_score = ctx.GetInput(4);
     const Ort::ConstValue init = ctx.GetInput(5);
+    const char* names[6] = {"q", "k", "v", "prev_idx", "prev_score", "init"};
+    const Ort::ConstValue inputs[6] = {q, k, v, prev_idx, prev_score, init};
+    for (int i = 0; i < 6; ++i) {
+      require(inputs[i] != nullptr && inputs[i].IsTensor(),
+              std::string(names[i]) + " must be a tensor");
+      const ONNXTensorElementDataType want =
+          i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      require(inputs[i].GetTensorTypeAndShapeInfo().GetElementType() == want,
+              std::string(names[i]) + (i == 3 ? " must be int64" : " must be float32"));
+    }
     const std::vector<int64_t> qs = q.GetTensorTypeAndShapeInfo().GetShape();
-    require(qs.size() == 3, "q must be (BH, M, d), got " + shape_str(qs));
-    require(k.GetTensorTypeAndShapeInfo().GetShape() == qs &&
-                v.GetTensorTypeAndShapeInfo().GetShape() == qs,
-            "q, k and v must have the same shape (BH, M, d)");
-    const int64_t BH = qs[0], M = qs[1], d = qs[2];
-    require(width > 0 && width % 2 == 0 && M % (2 * width) == 0,
-            "the level must have even height and width (M = " + std::to_string(M) +
-                ", width = " + std::to_string(width) + ")");
-    const int64_t Mp = M / 4;
     const std::vector<int64_t> is = prev_idx.GetTensorTypeAndShapeInfo().GetShape();
-    require(is.size() == 3 && is[0] == BH && is[1] == Mp,
-            "prev_idx must be (BH, M / 4, Kp), got " + shape_str(is));
-    const int64_t Kp = is[2];
-    require(topk >= 0 && topk <= 4 * Kp, "topk must be in [0, 4 Kp]");
+    flatten_mm_quadtree::check_level_shapes(qs, k.GetTensorTypeAndShapeInfo().GetShape(),
+                                            v.GetTensorTypeAndShapeInfo().GetShape(), is,
+                                            width, topk);
+    const int64_t BH = qs[0], M = qs[1], d = qs[2], Mp = M / 4, Kp = is[2];
     const int64_t* cells = prev_idx.GetTensorData<int64_t>();
     const int64_t bad = flatten_mm_quadtree::first_cell_outside(cells, BH * Mp * Kp, Mp);
     require(bad < 0, "prev_idx entry " + std::to_string(bad < 0 ? 0 : cells[bad]) +
@@ -140,10 +201,12 @@ struct QuadTreeLevelKernel {
     int64_t* next_idx = ctx.GetOutput(1, {BH, M, topk}).GetTensorMutableData<int64_t>();
     float* next_score =
         ctx.GetOutput(2, {BH, M, type_a ? topk : 0}).GetTensorMutableData<float>();
+    const int64_t size = BH * M * d;
+    if (size == 0) return;  // an empty batch or map: empty outputs (next_idx is too)
     if (has_init)
-      std::memcpy(msg, init.GetTensorData<float>(), sizeof(float) * BH * M * d);
+      std::memcpy(msg, init.GetTensorData<float>(), sizeof(float) * size);
     else
-      std::fill(msg, msg + BH * M * d, 0.f);
+      std::fill(msg, msg + size, 0.f);
 
     const LevelArgs args{q.GetTensorData<float>(), k.GetTensorData<float>(),
                          v.GetTensorData<float>(), cells, score_p, msg, next_idx,
@@ -161,14 +224,12 @@ struct QuadTreeLevelKernel {
 
 struct QuadTreeLevelOp : Ort::CustomOpBase<QuadTreeLevelOp, QuadTreeLevelKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
-                              void** kernel) const {
+                              void** kernel) const noexcept {
     try {
       *kernel = new QuadTreeLevelKernel(info);
       return nullptr;
-    } catch (const Ort::Exception& e) {
-      return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    } catch (...) {
+      return status_of(api, std::current_exception());
     }
   }
   const char* GetName() const { return kOpName; }
@@ -184,24 +245,37 @@ struct QuadTreeLevelOp : Ort::CustomOpBase<QuadTreeLevelOp, QuadTreeLevelKernel,
 
 }  // namespace
 
-// The entry point ONNX Runtime calls (SessionOptions.register_custom_ops_library); the only
-// symbol the library exports (it is built with -fvisibility=hidden).
-extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
-RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+// Registers the operators (RegisterCustomOps in isa_guard.cpp calls it once the CPU is known
+// to run this file's code). Thread-safe: sessions may be created on several threads at once.
+extern "C" OrtStatus* flatten_mm_register_ops(OrtSessionOptions* options,
+                                              const OrtApiBase* api_base) noexcept {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr)  // a runtime older than the header the library was built with
-    return api_base->GetApi(1)->CreateStatus(
-        ORT_FAIL, "flatten_mm: this ONNX Runtime is older than the C API the custom "
-                  "operators were built with; rebuild them against its own headers");
-  Ort::InitApi(api);
-  // one domain for the process: a session keeps a pointer to it, so it is never freed
-  static QuadTreeLevelOp op;
-  static OrtCustomOpDomain* domain = nullptr;
-  static std::mutex lock;
-  std::lock_guard<std::mutex> guard(lock);
-  if (domain == nullptr) {
-    if (OrtStatus* status = api->CreateCustomOpDomain(kDomain, &domain)) return status;
-    if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op)) return status;
+  if (api == nullptr) {  // a runtime older than the header the library was built with
+    const std::string message =
+        std::string("flatten_mm: this ONNX Runtime (") + api_base->GetVersionString() +
+        ") is older than the C API the custom operators were built with (ORT_API_VERSION " +
+        std::to_string(ORT_API_VERSION) + ", ONNX Runtime 1." + std::to_string(ORT_API_VERSION) +
+        "); rebuild them against its own headers";
+    return api_base->GetApi(1)->CreateStatus(ORT_FAIL, message.c_str());
   }
-  return api->AddCustomOpDomain(options, domain);
+  // one domain for the process: a session keeps a pointer to it, so it is never freed
+  static std::mutex lock;
+  static OrtCustomOpDomain* domain = nullptr;
+  try {
+    std::lock_guard<std::mutex> guard(lock);
+    Ort::InitApi(api);  // (a global of the C++ wrapper: set under the lock)
+    static QuadTreeLevelOp op;
+    if (domain == nullptr) {
+      OrtCustomOpDomain* created = nullptr;
+      if (OrtStatus* status = api->CreateCustomOpDomain(kDomain, &created)) return status;
+      if (OrtStatus* status = api->CustomOpDomain_Add(created, &op)) {
+        api->ReleaseCustomOpDomain(created);
+        return status;
+      }
+      domain = created;
+    }
+    return api->AddCustomOpDomain(options, domain);
+  } catch (...) {
+    return status_of(*api, std::current_exception());
+  }
 }

@@ -19,9 +19,10 @@ import hashlib
 import os
 import os.path as osp
 import platform
+import re
 import threading
 import warnings
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -44,21 +45,34 @@ _error: Optional[str] = None
 _override: Optional[bool] = None  # set by ``use_cpu_kernels``
 
 
+def cpu_features() -> List[str]:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``; empty where unknown)."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            return next((line.split(':', 1)[1].split() for line in f
+                         if line.startswith('flags')), [])
+    except OSError:
+        return []
+
+
 def isa_flags() -> list:
     """``-mavx2 -mfma`` where the CPU has them (x86-64), else the compiler's baseline
     (also with ``FLATTEN_MM_CPU_ISA=generic``: the portable loops, e.g. to test them)."""
     if os.environ.get(ENV_ISA, '').strip().lower() == 'generic':
         return []
     if platform.machine() in ('x86_64', 'AMD64'):
-        try:
-            with open('/proc/cpuinfo') as f:
-                flags = next((line.split(':', 1)[1].split() for line in f
-                              if line.startswith('flags')), [])
-        except OSError:
-            flags = []
+        flags = cpu_features()
         if 'avx2' in flags and 'fma' in flags:
             return ['-mavx2', '-mfma']
     return []
+
+
+def missing_isa(flags: List[str]) -> List[str]:
+    """The instruction sets that compiler ``flags`` (``-mavx2``...) enable and this CPU
+    lacks: code built with them would stop with SIGILL here."""
+    have = {f.replace('_', '') for f in cpu_features()}  # (cpuinfo's avx512_fp16...)
+    wanted = [f[2:] for f in flags if re.fullmatch(r'-m[a-z0-9]+', f)]
+    return [w for w in wanted if w.replace('_', '') not in have]
 
 
 def _env_flag(name: str, default: str) -> bool:
@@ -93,6 +107,13 @@ def _build() -> None:
     global _loaded, _error
     from torch.utils import cpp_extension  # late: it imports setuptools; only a build needs it
     isa = isa_flags()
+    # The build's name carries its ISA flags (a cache shared by machines never hands one CPU
+    # another's build); and code compiled for an ISA this CPU lacks is not loaded at all
+    # (its static initialisers run at load and would stop the process with SIGILL).
+    missing = missing_isa(isa)
+    if missing:
+        raise RuntimeError(f'the kernel would be compiled with {" ".join(isa)}, and this CPU '
+                           f'lacks {", ".join(missing)}; set {ENV_ISA}=generic')
     digest = hashlib.sha1(' '.join(isa).encode())
     for path in (_SOURCE, ) + _HEADERS:
         with open(path, 'rb') as f:

@@ -39,11 +39,53 @@ inline auto torch_parallel_for() {
   };
 }
 
+// at::parallel_for(0, tasks, grain, fn) with fn's exceptions (a TORCH_CHECK, a bad_alloc)
+// caught inside the pool and rethrown here (parallel_for_carrying)
+template <typename Fn>
+inline void parallel_for_checked(int64_t tasks, int64_t grain, const Fn& fn) {
+  parallel_for_carrying(torch_parallel_for(), tasks, grain, fn);
+}
+
 // TORCH_CHECK that every entry of cells (n of them) lies in the parent grid of Mp cells
 inline void check_cells(const char* op, const int64_t* cells, int64_t n, int64_t Mp) {
   const int64_t bad = first_cell_outside(cells, n, Mp);
   TORCH_CHECK(bad < 0, op, ": prev_idx entry ", bad < 0 ? 0 : cells[bad],
               " is outside the parent grid of ", Mp, " tokens");
+}
+
+// The checks both operators share: CPU tensors, q/k/v float32 contiguous, prev_idx int64
+// contiguous, and the sizes of check_level_shapes (quadtree_level.h), as RuntimeErrors
+// named after op.
+void check_level_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& prev_idx, int64_t width,
+                        int64_t topk) {
+  const char* names[4] = {"q", "k", "v", "prev_idx"};
+  const at::Tensor* tensors[4] = {&q, &k, &v, &prev_idx};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), op, ": ", names[i],
+                " must be a CPU tensor (CPU tensors only)");
+    TORCH_CHECK(t.scalar_type() == (i == 3 ? at::kLong : at::kFloat), op, ": ", names[i],
+                i == 3 ? " must be int64" : " must be float32", ", got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", names[i], " must be contiguous");
+  }
+  try {
+    check_level_shapes(q.sizes().vec(), k.sizes().vec(), v.sizes().vec(),
+                       prev_idx.sizes().vec(), width, topk);
+  } catch (const InputError& e) {
+    TORCH_CHECK(false, op, ": ", e.what());
+  }
+}
+
+// an optional float32 (BH, M / 4, Kp) like prev_idx (variant A's prev_score), contiguous
+at::Tensor like_prev_idx(const char* op, const c10::optional<at::Tensor>& t,
+                         const at::Tensor& prev_idx) {
+  TORCH_CHECK(t.has_value() && t->defined(), op, ": variant A needs prev_score");
+  TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat &&
+                  t->sizes() == prev_idx.sizes(),
+              op, ": prev_score must be a float32 CPU tensor like prev_idx ", prev_idx.sizes(),
+              ", got ", t->scalar_type(), " ", t->sizes());
+  return t->contiguous();
 }
 
 // out += sum_t w[t] rows[t] for 4 rows of d floats
@@ -113,7 +155,7 @@ void backward_queries(const BackwardArgs& g) {
   const int64_t d = D > 0 ? D : g.d;
   const int64_t M = g.M, width = g.width, Mp = M / 4, Kp = g.Kp, K = 4 * Kp;
   const int64_t grain = std::max<int64_t>(1, 1024 / (K * d / 32 + 1));
-  at::parallel_for(0, g.BH * Mp, grain, [&](int64_t begin, int64_t end) {
+  parallel_for_checked(g.BH * Mp, grain, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cand(K);
     std::vector<float> w(4 * K), dw(4 * K), col(K), dps(Kp);
     for (int64_t task = begin; task < end; ++task) {
@@ -186,7 +228,7 @@ void backward_keys(const BackwardArgs& g) {
   std::vector<int64_t> bounds(chunks + 1, cells);
   for (int64_t c = 0; c < chunks; ++c)
     bounds[c] = std::lower_bound(g.offsets, g.offsets + cells, total * c / chunks) - g.offsets;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_checked(chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(8 * d);
     for (int64_t cell = bounds[begin]; cell < bounds[end]; ++cell) {
       const int64_t bh = cell / Mp, s = cell % Mp;
@@ -257,7 +299,7 @@ void backward_keys(const BackwardArgs& g) {
 void cells_to_parents(const int64_t* prev_idx, int64_t BH, int64_t Mp, int64_t Kp,
                       int64_t* offsets, int32_t* entries) {
   std::fill(offsets, offsets + BH * Mp + 1, 0);
-  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_checked(BH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t* sel = prev_idx + bh * Mp * Kp;
       int64_t* count = offsets + bh * Mp + 1;
@@ -269,7 +311,7 @@ void cells_to_parents(const int64_t* prev_idx, int64_t BH, int64_t Mp, int64_t K
     }
   });
   for (int64_t c = 0; c < BH * Mp; ++c) offsets[c + 1] += offsets[c];
-  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_checked(BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cursor(Mp);
     for (int64_t bh = begin; bh < end; ++bh) {
       std::copy(offsets + bh * Mp, offsets + (bh + 1) * Mp, cursor.begin());
@@ -291,32 +333,17 @@ std::vector<at::Tensor> quadtree_level(const at::Tensor& q, const at::Tensor& k,
                                        const c10::optional<at::Tensor>& prev_score_opt,
                                        at::Tensor msg, int64_t width, double temp,
                                        int64_t topk, bool type_a) {
-  TORCH_CHECK(q.device().is_cpu(), "quadtree_level: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && msg.scalar_type() == at::kFloat,
-              "quadtree_level: float32 q/k/v/msg expected");
-  TORCH_CHECK(prev_idx.scalar_type() == at::kLong, "quadtree_level: int64 prev_idx expected");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
-                  msg.is_contiguous() && prev_idx.is_contiguous(),
-              "quadtree_level: contiguous inputs expected");
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes() &&
-                  msg.sizes() == q.sizes(),
-              "quadtree_level: q, k, v and msg must all be (BH, M, d)");
+  check_level_inputs("quadtree_level", q, k, v, prev_idx, width, topk);
+  TORCH_CHECK(msg.defined() && msg.device().is_cpu() && msg.scalar_type() == at::kFloat &&
+                  msg.is_contiguous() && msg.sizes() == q.sizes(),
+              "quadtree_level: msg must be a contiguous float32 CPU tensor shaped like q ",
+              q.sizes(), ", got ", msg.scalar_type(), " ", msg.sizes());
   const int64_t BH = q.size(0), M = q.size(1), d = q.size(2);
-  TORCH_CHECK(width % 2 == 0 && width > 0 && M % (2 * width) == 0,
-              "quadtree_level: the level must have even height and width");
-  const int64_t pw = width / 2, Mp = M / 4;
-  TORCH_CHECK(prev_idx.dim() == 3 && prev_idx.size(0) == BH && prev_idx.size(1) == Mp,
-              "quadtree_level: prev_idx must be (BH, M / 4, Kp)");
-  const int64_t Kp = prev_idx.size(2), K = 4 * Kp;
-  TORCH_CHECK(topk >= 0 && topk <= K, "quadtree_level: topk must be in [0, 4 Kp]");
+  const int64_t Mp = M / 4, Kp = prev_idx.size(2);
   const float* prev_score_p = nullptr;
   at::Tensor prev_score;
   if (type_a) {
-    TORCH_CHECK(prev_score_opt.has_value(), "quadtree_level: variant A needs prev_score");
-    prev_score = prev_score_opt->contiguous();
-    TORCH_CHECK(prev_score.scalar_type() == at::kFloat && prev_score.sizes() == prev_idx.sizes(),
-                "quadtree_level: prev_score must be float32 like prev_idx");
+    prev_score = like_prev_idx("quadtree_level", prev_score_opt, prev_idx);
     prev_score_p = prev_score.data_ptr<float>();
   }
   at::Tensor next_idx = at::empty({BH, M, topk}, prev_idx.options());
@@ -333,11 +360,15 @@ std::vector<at::Tensor> quadtree_level(const at::Tensor& q, const at::Tensor& k,
   check_cells("quadtree_level", ip, BH * Mp * Kp, Mp);
   const LevelArgs args{qp, kp, vp, ip, prev_score_p, mp, nip, nsp, BH, M, d, width, Kp,
                        topk, scale, type_a};
-  switch (d) {  // compile-time head widths for the common cases
-    case 16: run_level<16>(args, torch_parallel_for()); break;
-    case 32: run_level<32>(args, torch_parallel_for()); break;
-    case 64: run_level<64>(args, torch_parallel_for()); break;
-    default: run_level<0>(args, torch_parallel_for());
+  try {
+    switch (d) {  // compile-time head widths for the common cases
+      case 16: run_level<16>(args, torch_parallel_for()); break;
+      case 32: run_level<32>(args, torch_parallel_for()); break;
+      case 64: run_level<64>(args, torch_parallel_for()); break;
+      default: run_level<0>(args, torch_parallel_for());
+    }
+  } catch (const InputError& e) {
+    TORCH_CHECK(false, "quadtree_level: ", e.what());
   }
   return {next_idx, next_score};
 }
@@ -352,37 +383,32 @@ std::vector<at::Tensor> quadtree_level_backward(
     const at::Tensor& prev_idx, const c10::optional<at::Tensor>& prev_score_opt,
     const at::Tensor& next_idx, const c10::optional<at::Tensor>& next_grad_opt,
     int64_t width, double temp, bool type_a) {
-  TORCH_CHECK(q.device().is_cpu(), "quadtree_level_backward: CPU tensors only");
-  for (const at::Tensor* t : {&grad, &q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->sizes() == q.sizes(),
-                "quadtree_level_backward: grad, q, k, v must be contiguous float32 (BH, M, d)");
-  TORCH_CHECK(prev_idx.scalar_type() == at::kLong && prev_idx.is_contiguous(),
-              "quadtree_level_backward: contiguous int64 prev_idx expected");
+  check_level_inputs("quadtree_level_backward", q, k, v, prev_idx, width, 0);
+  TORCH_CHECK(grad.defined() && grad.device().is_cpu() && grad.scalar_type() == at::kFloat &&
+                  grad.is_contiguous() && grad.sizes() == q.sizes(),
+              "quadtree_level_backward: grad must be a contiguous float32 CPU tensor shaped "
+              "like q ", q.sizes(), ", got ", grad.scalar_type(), " ", grad.sizes());
   const int64_t BH = q.size(0), M = q.size(1), d = q.size(2);
-  TORCH_CHECK(width % 2 == 0 && width > 0 && M % (2 * width) == 0,
-              "quadtree_level_backward: the level must have even height and width");
-  const int64_t Mp = M / 4;
-  TORCH_CHECK(prev_idx.dim() == 3 && prev_idx.size(0) == BH && prev_idx.size(1) == Mp,
-              "quadtree_level_backward: prev_idx must be (BH, M / 4, Kp)");
-  const int64_t Kp = prev_idx.size(2);
+  const int64_t Mp = M / 4, Kp = prev_idx.size(2);
   TORCH_CHECK(Mp * Kp < std::numeric_limits<int32_t>::max(),
               "quadtree_level_backward: more than 2^31 selections per head");
   at::Tensor prev_score, next_grad, dprev_score = at::empty({0}, q.options());
   int64_t topk = 0;
   if (type_a) {
-    TORCH_CHECK(prev_score_opt.has_value(), "quadtree_level_backward: variant A needs prev_score");
-    prev_score = prev_score_opt->contiguous();
-    TORCH_CHECK(prev_score.scalar_type() == at::kFloat && prev_score.sizes() == prev_idx.sizes(),
-                "quadtree_level_backward: prev_score must be float32 like prev_idx");
-    TORCH_CHECK(next_idx.scalar_type() == at::kLong && next_idx.is_contiguous() &&
-                    next_idx.dim() == 3 && next_idx.size(0) == BH && next_idx.size(1) == M,
-                "quadtree_level_backward: next_idx must be contiguous int64 (BH, M, topk)");
+    prev_score = like_prev_idx("quadtree_level_backward", prev_score_opt, prev_idx);
+    TORCH_CHECK(next_idx.defined() && next_idx.device().is_cpu() &&
+                    next_idx.scalar_type() == at::kLong && next_idx.is_contiguous() &&
+                    next_idx.dim() == 3 && next_idx.size(0) == BH && next_idx.size(1) == M &&
+                    next_idx.size(2) <= 4 * Kp,
+                "quadtree_level_backward: next_idx must be contiguous int64 (BH, M, topk) "
+                "with topk <= 4 Kp, got ", next_idx.sizes());
     topk = next_idx.size(2);
-    if (next_grad_opt.has_value() && topk > 0) {
-      next_grad = next_grad_opt->contiguous();
-      TORCH_CHECK(next_grad.scalar_type() == at::kFloat && next_grad.sizes() == next_idx.sizes(),
+    if (next_grad_opt.has_value() && next_grad_opt->defined() && topk > 0) {
+      TORCH_CHECK(next_grad_opt->device().is_cpu() &&
+                      next_grad_opt->scalar_type() == at::kFloat &&
+                      next_grad_opt->sizes() == next_idx.sizes(),
                   "quadtree_level_backward: next_grad must be float32 like next_idx");
+      next_grad = next_grad_opt->contiguous();
     }
     dprev_score = at::empty(prev_idx.sizes(), q.options());
   }

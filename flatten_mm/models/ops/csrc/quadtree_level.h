@@ -14,10 +14,14 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,6 +30,34 @@
 #endif
 
 namespace flatten_mm_quadtree {
+
+// A bad input found by the forward (the front-ends prefix the operator's name).
+struct InputError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// parallel_for(tasks, grain, fn) with fn's exceptions carried out: the thread pool's
+// callback never throws (ONNX Runtime's pool calls it through a C function pointer, where an
+// exception reaches std::terminate), the ranges left after the first failure are skipped,
+// and the first exception (a bad_alloc, an InputError, ...) is rethrown on the calling
+// thread once the pool is done.
+template <typename ParallelFor, typename Fn>
+void parallel_for_carrying(ParallelFor&& parallel_for, int64_t tasks, int64_t grain,
+                           const Fn& fn) {
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // written by the first range that fails only
+  parallel_for(tasks, grain, [&](int64_t begin, int64_t end) noexcept {
+    if (failed.load(std::memory_order_acquire)) return;
+    try {
+      fn(begin, end);
+    } catch (...) {
+      bool first = false;
+      if (failed.compare_exchange_strong(first, true, std::memory_order_acq_rel))
+        error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);  // (the pool has joined: its writes are seen)
+}
 
 // exp(x) for x <= 0 (softmax after the max subtraction); Cody-Waite range reduction and a
 // degree-6 polynomial (relative error ~2e-7, like a libm expf). Scalar form: the generic
@@ -256,6 +288,36 @@ inline void query_rows(int64_t bh, int64_t p, int64_t M, int64_t width, int64_t*
   for (int t = 0; t < 4; ++t) rows[t] = bh * M + (2 * py + t / 2) * width + 2 * px + t % 2;
 }
 
+// Checks the sizes one finer level reads (both front-ends call it, then check the cells):
+// q, k, v (BH, M, d), an (M / width, width) level with even sides, prev_idx (BH, M / 4, Kp)
+// with Kp >= 1, 0 <= topk <= 4 Kp. Throws InputError naming the first mismatch.
+inline void check_level_shapes(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
+                               const std::vector<int64_t>& v, const std::vector<int64_t>& idx,
+                               int64_t width, int64_t topk) {
+  auto str = [](const std::vector<int64_t>& s) {
+    std::string out = "(";
+    for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+    return out + ")";
+  };
+  if (q.size() != 3) throw InputError("q must be (BH, M, d), got " + str(q));
+  if (k != q || v != q)
+    throw InputError("q, k and v must have the same shape (BH, M, d), got " + str(q) + ", " +
+                     str(k) + ", " + str(v));
+  const int64_t M = q[1];
+  if (width <= 0 || width % 2 != 0 || M % (2 * width) != 0)
+    throw InputError("the level must have even height and width (M = " + std::to_string(M) +
+                     ", width = " + std::to_string(width) + ")");
+  if (idx.size() != 3 || idx[0] != q[0] || idx[1] != M / 4)
+    throw InputError("prev_idx must be (BH, M / 4, Kp) = (" + std::to_string(q[0]) + ", " +
+                     std::to_string(M / 4) + ", Kp), got " + str(idx));
+  if (idx[2] <= 0)
+    throw InputError("prev_idx has no selected cells (Kp = 0): a finer level needs at least "
+                     "one, got " + str(idx));
+  if (topk < 0 || topk > 4 * idx[2])
+    throw InputError("topk must be in [0, 4 Kp] = [0, " + std::to_string(4 * idx[2]) +
+                     "], got " + std::to_string(topk));
+}
+
 // The position of the first entry of cells[0, n) outside [0, Mp), or -1 when all are inside.
 inline int64_t first_cell_outside(const int64_t* cells, int64_t n, int64_t Mp) {
   for (int64_t e = 0; e < n; ++e)
@@ -268,14 +330,18 @@ inline int64_t first_cell_outside(const int64_t* cells, int64_t n, int64_t Mp) {
 // disjoint ranges covering [0, tasks) of about `grain` tasks each: at::parallel_for in
 // PyTorch, the session's intra-op thread pool in ONNX Runtime. A task is one parent of
 // one head; it writes the message and top-k rows of its 4 child queries only.
+// The front-ends check the shapes (check_level_shapes) and the cells first; exceptions
+// inside the pool (e.g. a bad_alloc) are rethrown here (parallel_for_carrying).
 template <int D, typename ParallelFor>
 void run_level(const LevelArgs& g, ParallelFor&& parallel_for) {
   const int64_t d = D > 0 ? D : g.d;
   const int64_t M = g.M, width = g.width, Mp = M / 4;
   const int64_t Kp = g.Kp, K = 4 * Kp, topk = g.topk;
   const int64_t tasks = g.BH * Mp;
+  if (tasks == 0) return;  // an empty batch or map: nothing to read or write
+  if (Kp <= 0) throw InputError("prev_idx has no selected cells (Kp = 0)");
   const int64_t grain = std::max<int64_t>(1, 2048 / (K * d / 32 + 1));
-  parallel_for(tasks, grain, [&](int64_t begin, int64_t end) {
+  parallel_for_carrying(parallel_for, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cand(K);
     std::vector<float> w(4 * K);   // scores, then weights: w[4 c + t] for child query t
     std::vector<float> col(K);
