@@ -10,7 +10,7 @@ import torch
 from conftest import FIXTURES_DIR, requires_shared, shared_fixtures
 from flatten_mm.models.layers import QuadTreeAttention
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
-from flatten_mm.models.layers import quadtree_attention as qta
+from flatten_mm.models.ops import quadtree_paths
 from dev.parity import ADAPTERS, find_adapter, run_parity
 from dev.parity.quadtree import NEAR_TIE, reference_topk
 
@@ -222,12 +222,13 @@ def test_every_code_path_matches_the_fixture(path, code_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, 'quadtree_level_kernel',
                         lambda: None if real_kernel() is None else spy('kernel', real_kernel()))
     monkeypatch.setattr(cpu_kernels, 'level', spy('train', cpu_kernels.level))
-    monkeypatch.setattr(qta, '_finer_level_inference',
-                        spy('inference', qta._finer_level_inference))
-    monkeypatch.setattr(qta, 'gathered_scores', spy('batched', qta.gathered_scores))
     autograd = code_path.endswith('autograd')
-    with cpu_kernels.use_cpu_kernels(code_path.startswith('cpu_kernel')):
+    with cpu_kernels.use_cpu_kernels(code_path.startswith('cpu_kernel')), \
+            quadtree_paths.record_paths() as taken:
         report = run_parity(fx, name=osp.basename(path), autograd=autograd)
+    for t in taken:  # (the paths the compiled kernels' spies do not see)
+        used['inference'] += t.path == 'rows'
+        used['batched'] += t.path == 'gathers'
     print(code_path, report.format())
     assert report.passed, report.format()
     expected = {'cpu_kernel': 'kernel', 'pytorch': 'inference', 'cpu_kernel_autograd': 'train',

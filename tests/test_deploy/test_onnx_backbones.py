@@ -43,13 +43,13 @@ def test_backbone_exports_and_matches_pytorch(name, tmp_path, monkeypatch):
     torch.manual_seed(0)
     target = backbone_target(name, build(name))
     # the fused QuadTree CPU kernel must not be traced: exporting through it fails here
-    from flatten_mm.models.layers import quadtree_attention
+    from flatten_mm.models.ops import quadtree_cpu_infer
 
     def no_kernel(*args, **kwargs):
         raise AssertionError('the QuadTree CPU kernel ran during the ONNX export')
 
     with monkeypatch.context() as m:
-        m.setattr(quadtree_attention, '_finer_level_cpu_kernel', no_kernel)
+        m.setattr(quadtree_cpu_infer, 'finer_level_cpu', no_kernel)
         result = export_onnx(target, str(tmp_path / f'{name}.onnx'), EXPORT_HW, dynamic=True)
     assert result.dynamic == (name not in FIXED_SIZE), (result.meta, result.messages)
     sizes = [EXPORT_HW] + ([SECOND_HW] if result.dynamic else [])

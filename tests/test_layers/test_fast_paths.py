@@ -446,9 +446,10 @@ def test_xcit_block_fused_layer_scale_equals_residual_form():
 def test_quadtree_chunked_inference_core_equals_batched_autograd_core(
         monkeypatch, attn_type, levels, hw, heads, d, topks, chunk_elements):
     import flatten_mm.models.layers.quadtree_attention as qt
-    monkeypatch.setattr(qt, '_LEVEL_CHUNK_ELEMENTS', chunk_elements)  # 1: one row a chunk
-    monkeypatch.setattr(qt, '_LEVEL_ONE_CHUNK_ELEMENTS', chunk_elements)
-    monkeypatch.setattr(qt, '_DENSE_ONE_CHUNK_ELEMENTS', chunk_elements)
+    from flatten_mm.models.ops import quadtree_rows
+    monkeypatch.setattr(quadtree_rows, '_LEVEL_CHUNK_ELEMENTS', chunk_elements)  # 1: a row
+    monkeypatch.setattr(quadtree_rows, '_LEVEL_ONE_CHUNK_ELEMENTS', chunk_elements)
+    monkeypatch.setattr(quadtree_rows, '_DENSE_ONE_CHUNK_ELEMENTS', chunk_elements)
     gen = torch.Generator().manual_seed(0)
     C = d * heads
     maps = [[torch.randn(2, C, hw[0] >> s, hw[1] >> s, generator=gen)

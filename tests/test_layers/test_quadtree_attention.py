@@ -521,26 +521,29 @@ def test_chunking_does_not_change_results():
 def test_graph_capture_takes_the_tile_form(monkeypatch):
     """While a graph is captured for a runtime, each finer inference level runs once in
     the tile form (no chunks), with the chunked path's values."""
-    from flatten_mm.models.layers import quadtree_attention as qa
+    from flatten_mm.models.ops import quadtree_paths, quadtree_rows, quadtree_tiles
     # tiny budgets so that the finer levels of a 32x24 map are chunked
-    monkeypatch.setattr(qa, '_LEVEL_ONE_CHUNK_ELEMENTS', 64)
-    monkeypatch.setattr(qa, '_DENSE_ONE_CHUNK_ELEMENTS', 64)
-    monkeypatch.setattr(qa, '_LEVEL_CHUNK_ELEMENTS', 64)
+    monkeypatch.setattr(quadtree_rows, '_LEVEL_ONE_CHUNK_ELEMENTS', 64)
+    monkeypatch.setattr(quadtree_rows, '_DENSE_ONE_CHUNK_ELEMENTS', 64)
+    monkeypatch.setattr(quadtree_rows, '_LEVEL_CHUNK_ELEMENTS', 64)
     calls = []
-    tiles = qa.finer_level_tiles
-    monkeypatch.setattr(qa, 'finer_level_tiles', lambda *a: calls.append(1) or tiles(*a))
+    tiles = quadtree_tiles.finer_level_tiles
+    monkeypatch.setattr(quadtree_tiles, 'finer_level_tiles',
+                        lambda *a: calls.append(1) or tiles(*a))
     torch.manual_seed(0)
     x = torch.randn(1, 32 * 24, 8)
     for attn_type in ('A', 'B'):
         m = QuadTreeAttention(8, 2, num_levels=3, topk=4, attn_type=attn_type).eval()
         # the PyTorch inference path (the fused CPU kernel has no chunks)
-        with torch.no_grad(), qa.cpu_kernels.use_cpu_kernels(False):
+        with torch.no_grad(), cpu_kernels.use_cpu_kernels(False):
             chunked = m(x, (32, 24))
             assert not calls
-            with monkeypatch.context() as mp:
-                mp.setattr(qa, 'graph_capture', lambda: True)
+            with monkeypatch.context() as mp, quadtree_paths.record_paths() as taken:
+                mp.setattr(quadtree_paths, 'graph_capture', lambda: True)
+                mp.setattr(quadtree_rows, 'graph_capture', lambda: True)
                 captured = m(x, (32, 24))
         assert len(calls) == 2  # 2 finer levels, one call each
+        assert [t.path for t in taken] == ['tiles', 'tiles']
         calls.clear()
         torch.testing.assert_close(captured, chunked, rtol=1e-6, atol=1e-6)
 
@@ -550,10 +553,10 @@ def test_graph_capture_takes_the_tile_form(monkeypatch):
                                               (1, 1, 8, (16, 16), 8, 8),
                                               (1, 2, 8, (8, 8), 16, None)])
 def test_tile_level_equals_the_chunked_level(attn_type, B, h, C, hw, Kp, topk):
-    """``ops.quadtree_tiles.finer_level_tiles`` against ``_finer_level_inference`` in
+    """``ops.quadtree_tiles.finer_level_tiles`` against ``quadtree_rows.finer_level_rows`` in
     float64: messages, the next level's selected keys (as sets) and, for A, their scores."""
-    from flatten_mm.models.layers import quadtree_attention as qa
     from flatten_mm.models.ops.quadtree_layout import to_heads
+    from flatten_mm.models.ops.quadtree_rows import finer_level_rows
     from flatten_mm.models.ops.quadtree_tiles import finer_level_tiles
     g = torch.Generator().manual_seed(0)
     hi, wi = hw
@@ -566,8 +569,8 @@ def test_tile_level_equals_the_chunked_level(attn_type, B, h, C, hw, Kp, topk):
     prev_score = (torch.rand(B, h, P, Kp, dtype=torch.float64, generator=g)
                   if attn_type == 'A' else None)
     init = torch.randn(B, h, hi * wi, C // h, dtype=torch.float64, generator=g)
-    ref = qa._finer_level_inference(q, k, v, prev_idx, prev_score, h, 0.3, attn_type, topk,
-                                    None, 1, init.clone())
+    ref = finer_level_rows(q, k, v, prev_idx, prev_score, h, 0.3, attn_type, topk,
+                           init.clone())
     got = finer_level_tiles(q, k, v, prev_idx, prev_score, h, 0.3, attn_type, topk, init)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
     if topk is None:

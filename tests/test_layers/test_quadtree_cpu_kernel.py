@@ -16,8 +16,8 @@ import torch
 from flatten_mm.models import QuadTreePVTv2
 from flatten_mm.models.layers import QuadTreeAttention
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
-from flatten_mm.models.layers.quadtree_attention import (_finer_level_cpu_kernel,
-                                                         _finer_level_inference)
+from flatten_mm.models.ops.quadtree_cpu_infer import finer_level_cpu
+from flatten_mm.models.ops.quadtree_rows import finer_level_rows
 from flatten_mm.models.ops.quadtree_layout import child_candidates, to_heads
 
 
@@ -65,10 +65,9 @@ def test_level_matches_pytorch_path(attn_type, B, h, d, hw, Kp, topk, with_init)
     M = hw[0] * hw[1]
     init = torch.randn(B, h, M, d, generator=gen) if with_init else None
     temp = d**-0.5
-    args = (q_map, k, v, prev_idx, prev_score, h, temp, attn_type, topk, None, 1)
-    ref_msg, ref_idx, ref_score = _finer_level_inference(
-        *args, None if init is None else init.clone())
-    msg, idx, score = _finer_level_cpu_kernel(op, *args, None if init is None else init.clone())
+    args = (q_map, k, v, prev_idx, prev_score, h, temp, attn_type, topk)
+    ref_msg, ref_idx, ref_score = finer_level_rows(*args, None if init is None else init.clone())
+    msg, idx, score = finer_level_cpu(*args, None if init is None else init.clone(), kernel=op)
     torch.testing.assert_close(msg, ref_msg, atol=2e-6, rtol=1e-5)
     if topk is None:
         assert idx is None and ref_idx is None
@@ -302,8 +301,7 @@ def test_ties_take_the_lowest_candidates():
     q_map = torch.zeros(1, d, H, W)
     k = v = torch.randn(1, 1, H * W, d)
     prev_idx = torch.tensor([3, 0, 9, 14]).expand(1, 1, 16, Kp).contiguous()
-    _, idx, _ = _finer_level_cpu_kernel(op, q_map, k, v, prev_idx, None, 1, 1.0, 'B', topk,
-                                        None, 1)
+    _, idx, _ = finer_level_cpu(q_map, k, v, prev_idx, None, 1, 1.0, 'B', topk, kernel=op)
     # children of parent 3 (row 0, col 3 of the 4x4 parent grid) come first: 6, 7, 14, 15
     expected = torch.tensor([6, 7, 14, 15, 0, 1])
     assert torch.equal(idx.sort(-1).values[0, 0], expected.sort().values.expand(64, topk))
@@ -313,11 +311,9 @@ def test_nan_query_stays_local_and_non_finite():
     op = _kernel()
     gen = torch.Generator().manual_seed(0)
     q_map, k, v, prev_idx, _ = _level_inputs(1, 1, 32, (16, 16), 8, gen, 'B')
-    ref_msg, _, _ = _finer_level_cpu_kernel(op, q_map, k, v, prev_idx, None, 1, 0.2, 'B', 8,
-                                            None, 1)
+    ref_msg, _, _ = finer_level_cpu(q_map, k, v, prev_idx, None, 1, 0.2, 'B', 8, kernel=op)
     q_map[0, :, 5, 7] = float('nan')
-    msg, idx, _ = _finer_level_cpu_kernel(op, q_map, k, v, prev_idx, None, 1, 0.2, 'B', 8,
-                                          None, 1)
+    msg, idx, _ = finer_level_cpu(q_map, k, v, prev_idx, None, 1, 0.2, 'B', 8, kernel=op)
     bad = 5 * 16 + 7
     assert torch.isnan(msg[0, 0, bad]).all()
     keep = torch.ones(256, dtype=torch.bool)
@@ -358,6 +354,22 @@ def test_switch_and_failed_build_fall_back(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_REQUIRE, '1')
     with pytest.raises(RuntimeError, match='no C\\+\\+ compiler found'):
         cpu_kernels.quadtree_level_kernel()
+
+
+def test_kernel_is_not_loaded_on_a_cpu_without_its_instruction_sets(monkeypatch):
+    """A build for AVX2 + FMA is refused before it is loaded on a CPU without them (its
+    static initialisers would stop the process with SIGILL at load): the reason names what
+    is missing and the way out; the PyTorch path stays."""
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpu_kernels, 'isa_flags', lambda: ['-mavx2', '-mfma'])
+    monkeypatch.setattr(cpu_kernels, 'cpu_features', lambda: ['sse2', 'avx'])
+    monkeypatch.setattr(cpp_extension, 'load', lambda **kw: pytest.fail('loaded anyway'))
+    with pytest.raises(RuntimeError, match='this CPU lacks avx2, fma; set FLATTEN_MM_CPU_ISA='
+                                           'generic'):
+        cpu_kernels._build()
+    assert cpu_kernels.missing_isa(['-O3', '-mavx2', '-mfma']) == ['avx2', 'fma']
+    monkeypatch.setattr(cpu_kernels, 'cpu_features', lambda: ['avx2', 'fma', 'avx512_fp16'])
+    assert cpu_kernels.missing_isa(['-mavx2', '-mfma', '-mavx512fp16']) == []
 
 
 def test_bad_kernel_arguments_are_named():

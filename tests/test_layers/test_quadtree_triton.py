@@ -24,7 +24,9 @@ from flatten_mm.models.layers import QuadTreeAttention  # noqa: E402
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels  # noqa: E402
 from flatten_mm.models.layers import focused_linear_attention as fla  # noqa: E402
 from flatten_mm.models.ops import dispatch  # noqa: E402
+from flatten_mm.models.ops import quadtree_paths  # noqa: E402
 from flatten_mm.models.layers import quadtree_attention as qa  # noqa: E402
+from flatten_mm.models.ops.quadtree_gather import _GatheredMatmul  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures('triton_interpreter')
 
@@ -55,31 +57,31 @@ def _gather(src, index):
 KINDS = {
     'scores': (
         lambda a, src, index: qt.gathered_scores_triton(a, src[0], index),
-        lambda a, src, index: qa._GatheredMatmul.apply(a, src[0], index, True, 2),
+        lambda a, src, index: _GatheredMatmul.apply(a, src[0], index, True, 2),
         lambda a, src, index: a @ _gather(src[0], index).transpose(-1, -2)),
     'messages': (
         lambda a, src, index: qt.gathered_messages_triton(a, src[0], index),
-        lambda a, src, index: qa._GatheredMatmul.apply(a, src[0], index, False, 2),
+        lambda a, src, index: _GatheredMatmul.apply(a, src[0], index, False, 2),
         lambda a, src, index: a @ _gather(src[0], index)),
     'final-b': (
         lambda a, src, index: qt.final_level_b_triton(a, src[0], src[1], index),
-        lambda a, src, index: qa._GatheredMatmul.apply(
-            qa._GatheredMatmul.apply(a, src[0], index, True, 2).softmax(-1), src[1], index,
+        lambda a, src, index: _GatheredMatmul.apply(
+            _GatheredMatmul.apply(a, src[0], index, True, 2).softmax(-1), src[1], index,
             False, 2),
         lambda a, src, index: (a @ _gather(src[0], index).transpose(-1, -2)).softmax(-1)
         @ _gather(src[1], index)),
     'final-b-scaled': (
         lambda a, src, index: qt.final_level_b_triton(a, src[0], src[1], index,
                                                       src[2].float()),
-        lambda a, src, index: qa._GatheredMatmul.apply(
-            qa._GatheredMatmul.apply(a, src[0], index, True, 2).softmax(-1), src[1], index,
+        lambda a, src, index: _GatheredMatmul.apply(
+            _GatheredMatmul.apply(a, src[0], index, True, 2).softmax(-1), src[1], index,
             False, 2) * src[2],
         lambda a, src, index: (a @ _gather(src[0], index).transpose(-1, -2)).softmax(-1)
         @ _gather(src[1], index) * src[2]),
     'final-a': (
         lambda a, src, index: qt.final_level_a_triton(a, src[0], src[1], index, src[2]),
-        lambda a, src, index: qa._GatheredMatmul.apply(
-            _grouped_weights(qa._GatheredMatmul.apply(a, src[0], index, True, 2), src[2]),
+        lambda a, src, index: _GatheredMatmul.apply(
+            _grouped_weights(_GatheredMatmul.apply(a, src[0], index, True, 2), src[2]),
             src[1], index, False, 2),
         lambda a, src, index: _grouped_weights(
             a @ _gather(src[0], index).transpose(-1, -2), src[2]) @ _gather(src[1], index)),
@@ -309,6 +311,29 @@ def _count_kernel_calls(monkeypatch):
             return _real(*args, **kwargs)
         monkeypatch.setattr(qt, name, spy)
     return calls
+
+
+@pytest.mark.parametrize('attn_type', ['A', 'B'])
+@pytest.mark.parametrize('grad', [False, True], ids=['infer', 'train'])
+def test_path_hook_names_the_triton_paths_that_ran(attn_type, grad, monkeypatch):
+    """With the kernels forced, ``quadtree_paths.record_paths`` reports the table's Triton
+    paths, and the kernels that ran are those paths' kernels: the fused one for the final
+    level (and B's inner levels when training), the gathered ones otherwise."""
+    calls = _count_kernel_calls(monkeypatch)
+    torch.manual_seed(0)
+    m = QuadTreeAttention(16, 2, attn_type=attn_type, num_levels=3, topk=4, use_triton=True)
+    x = torch.randn(1, 8 * 8, 16)
+    with torch.set_grad_enabled(grad), quadtree_paths.record_paths() as taken:
+        m(x, (8, 8))
+    inner = 'triton_fused' if attn_type == 'B' and grad else 'triton_gathers'
+    assert [(t.level, t.path) for t in taken] == [(1, inner), (2, 'triton_fused')]
+    fused = {'final_level_a_triton', 'final_level_b_triton', 'final_level_projected_triton'}
+    gathered = {'gathered_scores_triton', 'gathered_messages_triton'}
+    assert fused & set(calls)
+    if inner == 'triton_gathers':
+        assert gathered <= set(calls)
+    else:  # (B training: the inner level's top-k comes from the scores kernel only)
+        assert 'gathered_messages_triton' not in calls
 
 
 CORE_CASES = [  # (attn_type, levels, finest hw, heads, topks)

@@ -1,70 +1,53 @@
-"""QuadTree attention (variants A and B), pure PyTorch.
+"""QuadTree attention (variants A and B).
 
 Paper: Tang et al., "QuadTree Attention for Vision Transformers", ICLR 2022,
 https://arxiv.org/abs/2201.02767.
 Upstream: https://github.com/Tangshitao/QuadTreeAttention @ 549a1ef (Apache-2.0); this is
 an independent re-implementation of ``QuadtreeAttention`` with ``QTAttA`` / ``QTAttB`` and
-of the two CUDA kernels (``score_computation``, ``value_aggregation``), following
-``shared/spec/attention.md`` §3.
+of the two CUDA kernels, following ``shared/spec/attention.md`` §3.
 
-Per block, queries/keys/values form a pyramid of ``S = num_levels`` levels (2x2 average
-pooling; variant B builds the value pyramid with learned ``value_branchs``). The coarsest
-level is full softmax attention; every query of a finer level attends only to the 4
-children of the ``topk`` keys its parent query selected one level up. Messages of all
-levels are merged coarse-to-fine (A: sum, with the mass of the refined keys carried down;
-B: learned level weights and a depth-wise-conv LePE per level).
+The maths. Queries, keys and values form a pyramid of ``S = num_levels`` maps (2x2
+average pooling; B builds the value pyramid with the learned ``value_branchs``), level 0
+the coarsest. With ``d`` the head dim and ``tau = 1 / sqrt(d)``:
 
-Implementation notes:
+* **Coarsest level**: full attention ``A_0 = softmax(tau Q_0 K_0^T)``; each query keeps
+  the ``K_0 = topk[0]`` keys of largest weight. Message ``m_0 = A_0 V_0`` (B) or
+  ``m_0 = (A_0 with the selected keys zeroed) V_0`` (A: their mass is refined below).
+* **Finer level i** (twice the height and width): the 4 child queries of a parent attend
+  only to the ``4 K_{i-1}`` children of the cells their parent selected:
+  ``s = tau q k_c^T`` over those candidates ``c``;
+  B: ``A_i = softmax(s)`` over all ``4 K_{i-1}`` candidates;
+  A (score redistribution): ``A_i = softmax(s)`` within each selected cell's 4 children,
+  times that cell's weight at level ``i - 1``.
+  Each query keeps the ``K_i`` candidates of largest weight for level ``i + 1``;
+  ``m_i = A_i V_c`` (A, non-final levels: the kept candidates zeroed).
+* **Merge**, coarse to fine, each level upsampled (nearest) onto the next:
+  A: ``out = sum_i m_i`` (the weights of each query sum to 1);
+  B: ``out = sum_i w_i (m_i + LePE_i(V_i))`` with ``w = softmax(py_att.weight)`` and
+  ``LePE_i`` a depth-wise 3x3 conv of level ``i``'s value map.
 
-* The attention core always runs in float32 (the official module casts with ``.float()``
-  and its kernels are float32-only), also under fp16/bf16 autocast; the projections and
-  value branches follow the ambient dtype/autocast, and the LePE convs run in float32.
-* No ``N x N`` tensor is built: the coarsest level costs ``L^2`` for its ``L`` tokens,
-  every finer level ``O(N * 4K)``. The 4 child queries of a parent share their ``4K``
-  candidate keys, so keys and values are gathered once per parent, in chunks over the
-  parents (``chunk_elements``), by a custom autograd function that re-gathers in the
-  backward pass instead of saving the gathered rows. Peak memory is ``O(N * K)``.
-* Maps whose height or width is not divisible by ``2**(num_levels - 1)`` are zero-padded
-  at the bottom/right before the projections and the output is cropped back; the padded
-  tokens take part as keys (as when a data pipeline pads the image). The official code
-  instead requires inputs that are multiples of 32.
-* The coarsest level must hold at least ``topk`` tokens whenever its top-k is used,
-  otherwise ``ValueError`` names the minimum map size. The top-k is used with
-  ``num_levels > 1``, and always by variant A, whose single-level stages (stage 4) follow
-  the official quirk of dropping the ``topk`` selected keys from the message (they are
-  "refined" at a next level that does not exist; verified against the official outputs).
-  A single-level B stage does not use it (the official code computes and discards it,
-  failing on maps with fewer than ``topk`` tokens); it is skipped here, so any size works.
-* On CUDA the finer levels' gathered scores and messages (forward and backward) run as
-  Triton kernels (``ops.quadtree_triton``: no gathered key/value rows in memory,
-  the key/value gradients by atomic scatter-add), and the final level as one fused
-  kernel (scores + softmax (A: x prev_score) + messages, no ``(N, 4K)`` tensors), when Triton
-  imports; the kernels take the ``K`` selected parent cells and derive their ``4K``
-  children (no candidate list for the final level, none kept for the backward);
-  inference then takes the batched path with those kernels instead of the chunked
-  gathers. When training, ``QuadTreeAttention`` hands the core its projections
-  (``Projections``): the fused final level recomputes the finest query and key maps (A:
-  and the value map) from the block input in its backward instead of keeping them.
-  ``use_triton=False`` (operator argument, or
-  ``use_triton=False`` of a backbone) or ``FLATTEN_MM_TRITON=0``
-  (environment) selects the PyTorch path, which stays the reference and the CPU /
-  float64 / export path.
-* On CPU the finer levels run the compiled kernels of ``ops.quadtree_cpu`` when they are
-  built (``FLATTEN_MM_CPU_KERNELS=0`` turns them off): inference in chunks of parent
-  rows, and training through an autograd function whose backward rebuilds the weights
-  from the level's queries, keys, values and selected cells (no ``(N, 4K)`` weights,
-  candidate lists or gathered rows kept).
-* While a graph is captured for another runtime (``torch.export`` / ONNX export,
-  ``ops.capture``) the finer inference levels take the tile form of
-  ``ops.quadtree_tiles``: one gather of whole 2x2 key / value tiles per selected cell and
-  batched products, in one piece (no chunk loop to unroll, no ``embedding_bag``, which
-  exports as a loop over bags); inside ``ops.capture.runtime_custom_ops()`` each level is
-  one ``ops.quadtree_graph_op`` node instead, for a runtime with flatten_mm's operator.
+``finer_level_reference`` states a finer level in plain PyTorch in these steps. Where it
+runs, a finer level is computed by one of the paths of ``ops/quadtree_*.py`` (the chunked
+and batched PyTorch forms, the compiled CPU kernels, the Triton kernels, the exported
+forms); ``ops.quadtree_paths.choose_level_path`` picks it from a table (device, grad mode,
+graph capture, kernels available and checked), see docs/advanced/kernels.md.
+
+Conventions and limits:
+
+* The attention core runs in float32 (the official module casts with ``.float()``), also
+  under fp16 / bf16 autocast; projections and value branches follow the ambient dtype.
+* Maps whose sides are not multiples of ``2**(num_levels - 1)`` are zero-padded at the
+  bottom / right (the padded tokens take part as keys) and the output is cropped back;
+  the official code requires inputs that are multiples of 32.
+* The coarsest level must hold at least ``topk`` tokens whenever its top-k is used (``S >
+  1``, or variant A, whose single-level stages drop the selected keys from the message
+  as the official code does), else ``ValueError`` names the minimum map size. A
+  single-level B stage is plain softmax attention plus LePE, any size.
 """
 import dataclasses
 import functools
 import math
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -72,421 +55,93 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import dispatch
-from ..ops import quadtree_cpu as cpu_kernels
-from ..ops import specialisation as spec
-from ..ops.autograd_paths import (autocast_operands, differentiate_reference, recorded_eagerly,
-                                  records_backward_graph, register_reference)
-from ..ops.capture import custom_ops_requested, graph_capture
-from ..ops.quadtree_graph_op import finer_level_graph_op
+from ..ops import (quadtree_batched, quadtree_cpu_infer, quadtree_cpu_train,  # noqa: F401
+                   quadtree_first_use, quadtree_fused, quadtree_graph_op, quadtree_rows,
+                   quadtree_tiles)
+from ..ops.autograd_paths import autocast_operands, recorded_eagerly, register_reference
 from ..ops.layout import tokens_as_map
-from ..ops.quadtree_layout import (child_candidates, children_to_raster, flat_rows,
+from ..ops.quadtree_gather import (DEFAULT_CHUNK_ELEMENTS, gathered_messages,  # noqa: F401
+                                   gathered_reference, gathered_scores)
+from ..ops.quadtree_layout import (child_candidates, children_to_raster,  # noqa: F401
                                    group_children, level_queries, to_heads, upsample_tokens)
-from ..ops.quadtree_tiles import finer_level_tiles
+from ..ops.quadtree_level import Level, Projections
+from ..ops.quadtree_paths import (FUSED_DECLINED, HALF, choose_level_path, is_inference,
+                                  level_facts, report_path)
 
 #: a callback ``(level, min_relative_margin)`` receiving top-k margins (debugging/parity)
 MarginRecorder = Callable[[int, float], None]
 
-#: default bound on the elements of one chunk of gathered key/value rows
-DEFAULT_CHUNK_ELEMENTS = 1 << 25
-#: key / value dtypes the Triton kernels read as they are (an exact upcast in registers)
-_HALF = (torch.bfloat16, torch.float16)
+#: the module computing each path of ``ops.quadtree_paths.LEVEL_PATHS`` (``finer_level``)
+LEVEL_PATH_MODULES = {
+    'graph_op': quadtree_graph_op, 'tiles': quadtree_tiles, 'cpu_kernel': quadtree_cpu_infer,
+    'rows': quadtree_rows, 'cpu_train': quadtree_cpu_train, 'triton_fused': quadtree_fused,
+    'triton_gathers': quadtree_batched, 'gathers': quadtree_batched,
+}
 
 
-# --------------------------------------------------------------------------- kernels
-class _GatheredMatmul(torch.autograd.Function):
-    """``a @ G^T`` (scores) or ``a @ G`` (messages) with ``G = src[index]`` per parent.
+# --------------------------------------------------------------------------- reference
+def finer_level_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          prev_idx: torch.Tensor, prev_score: Optional[torch.Tensor],
+                          width: int, temp: float, topk: int = 0,
+                          selected: Optional[torch.Tensor] = None):
+    """One finer level, step by step as in the paper (§3.3), in plain PyTorch.
 
-    ``a``: ``(B, h, L, F, X)``; ``src``: ``(B, h, M, d)``; ``index``: ``(B, h, L, K)`` long.
-    ``G[b, j, l] = src[b, j, index[b, j, l]]`` is ``(K, d)``. With ``transpose_src`` the
-    result is ``(B, h, L, F, K)`` (``X = d``), else ``(B, h, L, F, d)`` (``X = K``).
-    Gathers are done in chunks of parents in the forward and again in the backward
-    pass (nothing gathered is saved); ``src`` receives its gradient by ``index_add_``.
+    Args:
+        q, k, v: ``(BH, M, d)`` queries, keys and values of the level in raster order of
+            an ``(M / width, width)`` map with even sides (batch and heads flattened).
+        prev_idx: ``(BH, M / 4, Kp)`` the coarser cells each parent query selected.
+        prev_score: A: ``(BH, M / 4, Kp)`` their weights; B: ``None``.
+        width: the level's width; temp: ``1 / sqrt(d)``.
+        topk: candidates each query passes on (0: the final level).
+        selected: ``(BH, M, topk)`` candidates to pass on, instead of the top-k of the
+            weights (what a double backward differentiates: the forward's selection).
+
+    Returns:
+        ``msg (BH, M, d)``, ``next_idx (BH, M, topk)`` (``None`` when ``selected`` is
+        given or at the final level) and A's ``next_score (BH, M, topk)`` (else ``None``).
     """
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
-                transpose_src: bool, chunk: int) -> torch.Tensor:
-        B, h, L, nf, _ = a.shape
-        M, d = src.shape[2], src.shape[3]
-        K = index.shape[-1]
-        table = src.reshape(B * h * M, d).contiguous()  # rows of d floats
-        out = a.new_empty(B, h, L, nf, K if transpose_src else d)
-        for s in range(0, L, chunk):
-            e = min(L, s + chunk)
-            rows = flat_rows(index[:, :, s:e], M)
-            g = table.index_select(0, rows).view(B, h, e - s, K, d)
-            out[:, :, s:e] = a[:, :, s:e] @ (g.transpose(-1, -2) if transpose_src else g)
-        ctx.save_for_backward(a, src, index)
-        ctx.transpose_src = transpose_src
-        ctx.chunk = chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        a, src, index = ctx.saved_tensors
-        t, chunk = ctx.transpose_src, ctx.chunk
-        if records_backward_graph():  # (create_graph: the gathers by indexing)
-            grads = differentiate_reference(
-                lambda a, src: gathered_reference(a, src, index, 0, t), (a, src),
-                ctx.needs_input_grad[:2], (grad, ))
-            return (*grads, None, None, None)
-        B, h, L = a.shape[:3]
-        M, d = src.shape[2], src.shape[3]
-        K = index.shape[-1]
-        table = src.reshape(B * h * M, d).contiguous()  # rows of d floats
-        need_a, need_src = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_a = torch.empty_like(a) if need_a else None
-        grad_table = torch.zeros_like(table) if need_src else None
-        for s in range(0, L, chunk):
-            e = min(L, s + chunk)
-            rows = flat_rows(index[:, :, s:e], M)
-            g = table.index_select(0, rows).view(B, h, e - s, K, d)
-            gc = grad[:, :, s:e]
-            if need_a:
-                grad_a[:, :, s:e] = gc @ (g if t else g.transpose(-1, -2))
-            if need_src:
-                ac = a[:, :, s:e]
-                grad_g = gc.transpose(-1, -2) @ ac if t else ac.transpose(-1, -2) @ gc
-                grad_table.index_add_(0, rows, grad_g.reshape(-1, d))
-        grad_src = grad_table.view_as(src) if need_src else None
-        return grad_a, grad_src, None, None, None
-
-
-def gathered_reference(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
-                       parent_width: int, scores: bool) -> torch.Tensor:
-    """``gathered_scores`` (``scores``) or ``gathered_messages`` op by op: the candidate
-    rows gathered by indexing, as one ``(B, h, L, K, d)`` tensor (what a double backward
-    differentiates; no memory bound)."""
-    if parent_width:
-        index = child_candidates(index, parent_width)
-    B, h, L, K = index.shape
-    M, d = src.shape[2:]
-    rows = src.reshape(B * h * M, d)[flat_rows(index.long(), M)].view(B, h, L, K, d)
-    rows = rows.to(a.dtype)
-    return a @ rows.transpose(-1, -2) if scores else a @ rows
-
-
-def final_level_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          index: torch.Tensor, extra: Optional[torch.Tensor],
-                          parent_width: int, grouped: bool) -> torch.Tensor:
-    """The fused final level op by op: scores, softmax (``grouped``, variant A: within each
-    parent's 4 children, times ``extra``, the coarser level's scores), messages (variant
-    B: times ``extra``, the level weight, if given)."""
-    scores = gathered_reference(q, k, index, parent_width, True)
-    if grouped:
-        attn = torch.softmax(scores.unflatten(-1, (scores.shape[-1] // 4, 4)), dim=-1)
-        attn = (attn * extra[:, :, :, None, :, None]).flatten(-2)
-    else:
-        attn = torch.softmax(scores, dim=-1)
-    out = gathered_reference(attn, v, index, parent_width, False)
-    return out if grouped or extra is None else out * extra
-
-
-def _level_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     prev_idx: torch.Tensor, prev_score: Optional[torch.Tensor],
-                     next_idx: torch.Tensor, width: int, temp: float):
-    """``quadtree_cpu.level`` op by op for its selected ``next_idx`` (what a double
-    backward differentiates): ``(msg, next_score)`` of one ``(BH, M, d)`` level in raster
-    order, ``next_score`` ``None`` for variant B (``prev_score`` ``None``)."""
     BH, M, d = q.shape
     hw = (M // width, width)
-    qg = group_children(q.transpose(1, 2).reshape(BH, d, *hw), 1) * temp  # (BH, 1, L, 4, d)
+    Kp = prev_idx.shape[-1]
+    # queries grouped by parent: the 4 children of each coarser cell, (BH, 1, L, 4, d)
+    query = group_children(q.transpose(1, 2).reshape(BH, d, *hw), 1) * temp
+    # candidate keys: the 4 children of each of the Kp cells the parent selected
     cand = child_candidates(prev_idx.unsqueeze(1), width // 2)  # (BH, 1, L, 4Kp)
-    scores = gathered_reference(qg, k.unsqueeze(1), cand, 0, True)
-    if prev_score is not None:
-        attn = torch.softmax(scores.unflatten(-1, (prev_idx.shape[-1], 4)), dim=-1)
-        attn = (attn * prev_score.unsqueeze(1)[:, :, :, None, :, None]).flatten(-2)
-    else:
+    scores = gathered_reference(query, k.unsqueeze(1), cand, 0, True)
+    if prev_score is None:  # B: attention over all candidates
         attn = torch.softmax(scores, dim=-1)
-    weights, next_score = attn, None
-    if next_idx.shape[-1] and prev_score is not None:
-        # the selected candidates of each child query (their rows in next_idx)
-        topk = next_idx.shape[-1]
-        chosen = group_children(next_idx.transpose(1, 2).reshape(BH, topk, *hw), 1)
+    else:  # A, score redistribution: each cell's weight split among its 4 children
+        attn = torch.softmax(scores.unflatten(-1, (Kp, 4)), dim=-1)
+        attn = (attn * prev_score.unsqueeze(1)[:, :, :, None, :, None]).flatten(-2)
+    weights, next_idx, next_score = attn, None, None
+    if selected is None and topk:  # the candidates passed on to the next level
+        kept, sel = attn.topk(topk, dim=-1, sorted=False)  # (BH, 1, L, 4, topk)
+        chosen = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
+        next_idx = children_to_raster(chosen, hw).squeeze(1)
+        if prev_score is not None:  # A: their mass is refined there, not attended here
+            next_score = children_to_raster(kept, hw).squeeze(1)
+            weights = attn.scatter(-1, sel, 0.)
+    elif selected is not None and selected.shape[-1] and prev_score is not None:
+        chosen = group_children(selected.transpose(1, 2).reshape(BH, -1, *hw), 1)
         hit = cand[:, :, :, None, :, None] == chosen.unsqueeze(-2)  # (.., 4, 4Kp, topk)
         next_score = children_to_raster((attn.unsqueeze(-1) * hit).sum(-2), hw).squeeze(1)
         weights = attn.masked_fill(hit.any(-1), 0.)
     msg = gathered_reference(weights, v.unsqueeze(1), cand, 0, False)
-    return children_to_raster(msg, hw).squeeze(1), next_score
+    return children_to_raster(msg, hw).squeeze(1), next_idx, next_score
 
 
-register_reference('qt_gathered_scores',
-                   lambda a, src, index, pw: gathered_reference(a, src, index, pw, True))
-register_reference('qt_gathered_messages',
-                   lambda a, src, index, pw: gathered_reference(a, src, index, pw, False))
-register_reference('qt_final_b', lambda q, k, v, index, scale, pw: final_level_reference(
-    q, k, v, index, scale, pw, False))
-register_reference('qt_final_a', lambda q, k, v, index, prev_score, pw: final_level_reference(
-    q, k, v, index, prev_score, pw, True))
+def _level_reference(q, k, v, prev_idx, prev_score, next_idx, width, temp):
+    """``quadtree_cpu.level`` op by op for its selected ``next_idx``: ``(msg, next_score)``
+    (what the double backward of the CPU training kernel differentiates)."""
+    msg, _, next_score = finer_level_reference(q, k, v, prev_idx, prev_score, width, temp,
+                                               selected=next_idx)
+    return msg, next_score
+
+
 register_reference('quadtree_level', _level_reference)
 
 
-def _kernels():
-    """The Triton kernel module (imported only once ``ops.dispatch`` said it imports; a
-    plain import, which ``torch.compile`` traces without a graph break)."""
-    from ..ops import quadtree_triton  # late: imports triton, only after the dispatch said it imports
-    return quadtree_triton
-
-
-def _records_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _dt(t: Optional[torch.Tensor]) -> Optional[str]:
-    return None if t is None else str(t.dtype).replace('torch.', '')
-
-
-def _gathered_key(a: torch.Tensor, src: torch.Tensor, index: torch.Tensor, scores: bool,
-                  parent_width: int, a_layout: Optional[tuple] = None) -> tuple:
-    """The first-use key of a gathered-scores / -messages kernel call (``ops.dispatch``):
-    the op, ``a``'s dtype, children per parent, candidates, head dim, index kind and the
-    ``specialisation.layout`` of every input (``a_layout``: ``a``'s, given instead of
-    ``a`` itself, which may then be any tensor of ``a``'s dtype and device)."""
-    K = index.shape[-1] * (4 if parent_width else 1)
-    return ('qt_scores' if scores else 'qt_messages', _dt(a), int(a.shape[3]), int(K),
-            int(src.shape[-1]), parent_width > 0, a_layout or spec.layout(a),
-            spec.layout(src), spec.layout(index), spec.size_class(parent_width))
-
-
-def _use_qt_triton(use_triton: Optional[bool], a: torch.Tensor, src: torch.Tensor,
-                   index: torch.Tensor, scores: bool, parent_width: int = 0) -> bool:
-    """Whether ``gathered_scores`` / ``gathered_messages`` run the Triton kernel
-    (``ops.dispatch``: the gates, the kernel's input check -- ``use_triton=True``:
-    ``ValueError`` saying why not -- and in auto mode the first-use check)."""
-    return dispatch.use_kernels(
-        use_triton, 'quadtree', a,
-        lambda: _kernels().check_inputs(a, src, index, scores, parent_width),
-        lambda: _gathered_key(a, src, index, scores, parent_width), _records_grad(a, src))
-
-
-def _final_key(attn_type: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               index: torch.Tensor, extra: Optional[torch.Tensor], parent_width: int) -> tuple:
-    """The first-use key of a fused final-level kernel call (see ``_gathered_key``)."""
-    K = index.shape[-1] * (4 if parent_width else 1)
-    return (f'qt_final_{attn_type.lower()}', _dt(q), int(K), int(q.shape[-1]),
-            parent_width > 0, spec.layout(q), spec.layout(k), spec.layout(v),
-            spec.layout(index), spec.layout(extra), spec.size_class(parent_width))
-
-
-def _use_final_kernel(use_triton: Optional[bool], attn_type: str, q: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                      extra: Optional[torch.Tensor], parent_width: int,
-                      records_grad: bool) -> bool:
-    """Whether a level runs the fused final-level kernel (as ``_use_qt_triton``)."""
-    def why_not():
-        qt = _kernels()
-        problem = qt.final_b_problem if attn_type == 'B' else qt.final_a_problem
-        return problem(q, k, v, index, extra, parent_width)
-
-    return dispatch.use_kernels(
-        use_triton, 'quadtree', q, why_not,
-        lambda: _final_key(attn_type, q, k, v, index, extra, parent_width), records_grad)
-
-
-def _level_uses_triton(use_triton: Optional[bool], k: torch.Tensor, num_candidates: int,
-                       records_grad: bool) -> bool:
-    """Whether a finer level (keys ``k`` ``(B, h, M, d)``, ``num_candidates`` per parent)
-    may run the Triton kernels (the gates and the tile size; in auto mode inference then
-    also asks ``_level_kernels_checked``)."""
-    if not dispatch.wanted(use_triton, 'quadtree', k, records_grad):
-        return False
-    if use_triton:
-        return True  # (gathered_scores raises if the kernels cannot take the level)
-    return _kernels().tile_fits(num_candidates, k.shape[-1])
-
-
-def _level_kernels_checked(run: '_CoreRun', i: int, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, index: torch.Tensor, iw: int,
-                           final: bool) -> bool:
-    """Auto mode, inference: whether the kernel configurations the level would run passed
-    their first-use checks (run now if not yet): the fused final level, or the gathered
-    scores and messages. If not, the level takes the chunked PyTorch path
-    (``_level_in_chunks``) -- not the batched one, whose ``(B, h, L, 4, 4K)`` weights the
-    kernels existed to avoid."""
-    if final:
-        extra = run.prev_score if run.attn_type == 'A' else (
-            None if run.level_weights is None else run.level_weights[i])
-        if _use_final_kernel(None, run.attn_type, q, k, v, index, extra, iw, False):
-            return True
-    if not _use_qt_triton(None, q, k, index, True, iw):
-        return False
-    # the messages' weights: a fresh float32 (B, h, L, 4, K) tensor, described, not made
-    # (q stands in for it where only its dtype, device and children count are read)
-    shape = (*q.shape[:4], index.shape[-1] * (4 if iw else 1))
-    weights = spec.contiguous_layout(shape, torch.float32)
-    return dispatch.use_kernels(
-        None, 'quadtree', q,
-        lambda: _kernels().check_inputs(q.new_empty(()).expand(shape), v, index, False, iw),
-        lambda: _gathered_key(q, v, index, False, iw, a_layout=weights))
-
-
-def _chunk_size(a: torch.Tensor, index: torch.Tensor, d: int, chunk_elements: int) -> int:
-    B, h, L = a.shape[:3]
-    per_parent = B * h * index.shape[-1] * max(d, a.shape[3])
-    return max(1, min(L, chunk_elements // max(1, per_parent)))
-
-
-def gathered_scores(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
-                    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                    use_triton: Optional[bool] = None, parent_width: int = 0) -> torch.Tensor:
-    """Score kernel: ``out[b,j,l,f,k] = <query[b,j,l,f], key[b,j,index[b,j,l,k]]>``.
-
-    The official ``score_computation`` with heads moved to dim 1 and the candidate list
-    shared by the ``F`` (= 4) child queries of each parent.
-
-    Args:
-        query: ``(B, h, L, F, d)`` child queries grouped by parent.
-        key: ``(B, h, M, d)`` keys of the level.
-        index: ``(B, h, L, K)`` candidate key rows of each parent (int64 / int32), or with
-            ``parent_width`` the ``(B, h, L, K / 4)`` cells of the coarser grid whose 4
-            children each are the candidates (``child_candidates``' order).
-        chunk_elements: bound on the gathered elements held at once (PyTorch path).
-        use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` (force) or
-            ``False`` (the PyTorch path), see ``ops.dispatch``.
-        parent_width: 0 (``index`` holds candidate rows), or the width of the coarser grid
-            (the kernels derive the candidates; the PyTorch path expands them first).
-
-    Returns:
-        ``(B, h, L, F, K)``.
-    """
-    if _use_qt_triton(use_triton, query, key, index, True, parent_width):
-        out = dispatch.guarded(
-            'quadtree', _gathered_key(query, key, index, True, parent_width), query.device,
-            use_triton is True, lambda: _kernels().gathered_scores_triton(
-                query, key, index, parent_width), lambda: None)
-        if out is not None:
-            return out
-    if parent_width:
-        index = child_candidates(index, parent_width)
-    if key.dtype != query.dtype:  # (half keys reach here only if the kernel refused them)
-        key = key.to(query.dtype)
-    chunk = _chunk_size(query, index, key.shape[-1], chunk_elements)
-    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
-        return _gathered_scores_inference(query, key, index, chunk)
-    return _GatheredMatmul.apply(query, key, index, True, chunk)
-
-
-#: above this many gathered key elements, the inference score path works in chunks of
-#: about ``_CACHE_CHUNK_ELEMENTS`` (1 MiB of rows, L2-resident): at 1024x1024 inputs this
-#: halves the time of the finest level on CPU; below it one gather is as fast
-_CHUNK_ABOVE_ELEMENTS = 1 << 22
-_CACHE_CHUNK_ELEMENTS = 1 << 18
-
-
-def _gathered_scores_inference(query: torch.Tensor, key: torch.Tensor, index: torch.Tensor,
-                               chunk: int) -> torch.Tensor:
-    """``gathered_scores`` without autograd (no ``autograd.Function``; with a single chunk,
-    no preallocated result either): gather the key rows of ``chunk`` parents, multiply.
-    Large gathers are split into cache-sized chunks (see ``_CHUNK_ABOVE_ELEMENTS``)."""
-    B, h, L, nf, d = query.shape
-    M, K = key.shape[2], index.shape[-1]
-    table = key.reshape(B * h * M, d).contiguous()
-    per_parent = B * h * K * d
-    if graph_capture():
-        chunk = L
-    elif query.device.type == 'cpu' and L * per_parent > _CHUNK_ABOVE_ELEMENTS:
-        chunk = min(chunk, max(1, _CACHE_CHUNK_ELEMENTS // per_parent))
-
-    def scores(s: int, e: int) -> torch.Tensor:
-        g = table.index_select(0, flat_rows(index[:, :, s:e], M))
-        # an explicit 3-d bmm: matmul on the 5-d views is ~1.5x slower on CPU
-        q = query[:, :, s:e].reshape(B * h * (e - s), nf, d)
-        out = torch.bmm(q, g.view(B * h * (e - s), K, d).transpose(1, 2))
-        return out.view(B, h, e - s, nf, K)
-
-    if chunk >= L:
-        return scores(0, L)
-    out = query.new_empty(B, h, L, nf, K)
-    for s in range(0, L, chunk):
-        out[:, :, s:s + chunk] = scores(s, min(L, s + chunk))
-    return out
-
-
-def gathered_messages(weight: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
-                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                      use_triton: Optional[bool] = None,
-                      parent_width: int = 0) -> torch.Tensor:
-    """Aggregation kernel: ``out[b,j,l,f] = sum_k weight[b,j,l,f,k] value[b,j,index[b,j,l,k]]``.
-
-    The official ``value_aggregation`` for a candidate list shared by the ``F`` child
-    queries of a parent (which is how both variants call it).
-
-    Args:
-        weight: ``(B, h, L, F, K)`` attention weights.
-        value: ``(B, h, M, d)`` values of the level.
-        index: ``(B, h, L, K)`` candidate rows (int64 / int32), or parent cells (see
-            ``gathered_scores``).
-        chunk_elements: bound on the gathered elements held at once (PyTorch path).
-        use_triton: ``None`` (auto: the Triton kernel on CUDA), ``True`` or ``False``.
-        parent_width: as in ``gathered_scores``.
-
-    Returns:
-        ``(B, h, L, F, d)``.
-    """
-    if _use_qt_triton(use_triton, weight, value, index, False, parent_width):
-        out = dispatch.guarded(
-            'quadtree', _gathered_key(weight, value, index, False, parent_width),
-            weight.device, use_triton is True,
-            lambda: _kernels().gathered_messages_triton(
-                weight, value, index, parent_width), lambda: None)
-        if out is not None:
-            return out
-    if parent_width:
-        index = child_candidates(index, parent_width)
-    if value.dtype != weight.dtype:  # (as in gathered_scores)
-        value = value.to(weight.dtype)
-    if not (torch.is_grad_enabled() and (weight.requires_grad or value.requires_grad)):
-        return _weighted_rows_sum(weight, value, index)
-    chunk = _chunk_size(weight, index, value.shape[-1], chunk_elements)
-    return _GatheredMatmul.apply(weight, value, index, False, chunk)
-
-
-def _weighted_rows_sum(weight: torch.Tensor, value: torch.Tensor,
-                       index: torch.Tensor) -> torch.Tensor:
-    """Inference path of ``gathered_messages``: a weighted ``embedding_bag`` per child query,
-    so the gathered value rows are never materialised (only ``int64`` row lists, 4x
-    smaller than the rows for ``d = 32``). Same result as the gather + matmul path."""
-    B, h, L, nf, K = weight.shape
-    M, d = value.shape[2], value.shape[3]
-    table = value.reshape(B * h * M, d).contiguous()
-    rows = flat_rows(index, M).view(B * h * L, 1, K).expand(B * h * L, nf, K)
-    out = F.embedding_bag(rows.reshape(-1, K), table, mode='sum',
-                          per_sample_weights=weight.reshape(-1, K).contiguous())
-    return out.view(B, h, L, nf, d)
-
-
-# --------------------------------------------------------------------------- layout helpers
-class _AvgPool2x2(torch.autograd.Function):
-    """``F.avg_pool2d(x, 2, 2)`` of an even-sided map whose backward needs only the shape:
-    nothing is saved (the autograd node of ``avg_pool2d`` keeps its input alive, a whole
-    query / key map per pyramid level). The gradient keeps the input's memory format."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.shape = x.shape
-        ctx.channels_last = not x.is_contiguous() and x.is_contiguous(
-            memory_format=torch.channels_last)
-        return F.avg_pool2d(x, 2, 2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = ctx.shape
-        fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
-        dx = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
-        # every input of a 2x2 window gets a quarter of the window's gradient (a product
-        # and a copy into the window view: torch.compile takes no strided ``out=``)
-        dx.view(B, C, H // 2, 2, W // 2, 2).copy_((grad * 0.25)[:, :, :, None, :, None])
-        return dx
-
-
-def _avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
-    """2x2 average pooling of an even-sided ``(B, C, H, W)`` map (a pyramid level); with
-    autograd, by ``_AvgPool2x2`` (saves nothing)."""
-    if x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0 and recorded_eagerly(x):
-        return _AvgPool2x2.apply(x)
-    return F.avg_pool2d(x, 2, 2)
-
-
+# --------------------------------------------------------------------------- core
 def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.Tensor,
                    k: int) -> None:
     """Report the smallest relative gap between the k-th and (k+1)-th largest weight."""
@@ -495,53 +150,6 @@ def _record_margin(recorder: Optional[MarginRecorder], level: int, probs: torch.
     top = probs.detach().topk(k + 1, dim=-1).values
     margin = (top[..., k - 1] - top[..., k]) / top[..., k - 1].clamp_min(1e-30)
     recorder(level, float(margin.min()))
-
-
-# --------------------------------------------------------------------------- core
-class LePEConv:
-    """A lazily evaluated LePE map of ``quadtree_attention_core``: the depth-wise 3x3 conv
-    ``conv`` of the value map ``value``, in float32. Called with a level weight ``scale``,
-    it folds the weight into the conv's weight and bias (``conv(value) * scale`` without a
-    saved copy of ``conv(value)`` for the weight's gradient). With ``recompute``, a bf16 /
-    fp16 ``value`` (autocast) is cast inside a checkpoint when autograd records the conv:
-    the backward recasts it instead of keeping a float32 copy of the map."""
-
-    def __init__(self, value: torch.Tensor, conv: nn.Conv2d, recompute: bool = True) -> None:
-        self.value, self.conv, self.recompute = value, conv, recompute
-
-    def _apply(self, value: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-        w, b = self.conv.weight.float(), self.conv.bias
-        b = b.float() if b is not None else None
-        if scale is not None:
-            w = w * scale
-            b = b * scale if b is not None else None
-        return F.conv2d(value.float(), w, b, padding=self.conv.padding, groups=self.conv.groups)
-
-    def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        v = self.value
-        if self.recompute and v.dtype != torch.float32 and recorded_eagerly(
-                v, *self.conv.parameters(), *([scale] if scale is not None else [])):
-            # (no random op: no RNG state to restore)
-            return checkpoint(self._apply, v, scale, use_reentrant=False,
-                              preserve_rng_state=False)
-        return self._apply(v, scale)
-
-
-class Projections(NamedTuple):
-    """The finest level's maps as projections of one input ``x`` ``(B, N, C_in)``: the query
-    map is ``tokens_as_map(F.linear(x, *query), hw)``, the key map likewise with ``key``
-    and, if ``value`` is given, the value map with ``value`` (``(weight, bias)`` pairs,
-    ``bias`` optional; ``x`` and the weights in the dtype the projections ran in).
-
-    With autograd, the fused final level (Triton kernels) then keeps ``x`` and the weights
-    for its backward, which recomputes the maps (one GEMM each), instead of keeping its
-    float32 grouped queries and the key (and value) maps: ``x`` is kept anyway, by the
-    projections themselves. Variant B's value map is kept by its value branch and LePE
-    conv, so B passes ``value=None``."""
-    x: torch.Tensor
-    query: Tuple[torch.Tensor, Optional[torch.Tensor]]
-    key: Tuple[torch.Tensor, Optional[torch.Tensor]]
-    value: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
 
 def quadtree_attention_core(queries: Sequence[torch.Tensor],
@@ -590,19 +198,15 @@ def quadtree_attention_core(queries: Sequence[torch.Tensor],
         ``(B, h, h_{S-1} * w_{S-1}, d)`` float32 messages in raster order of the finest level.
 
     The coarsest level is full softmax attention (``_coarsest_level``); each finer level
-    runs one of four paths (``_finer_level`` decides): without autograd and without the
-    Triton kernels, chunks of parent rows (``_level_in_chunks``: the C++ CPU kernel or
-    PyTorch; peak memory about the output plus the pyramids); with autograd on CPU, the
-    C++ kernels' autograd function (``_level_cpu_train``); the fused Triton level
-    (``_level_fused``: the final level, and B's other levels when training); otherwise the
-    batched gathers with their custom backward (``_level_batched``). ``_merge_levels`` then
-    adds the levels coarse to fine (in place without autograd).
+    runs the path ``ops.quadtree_paths.choose_level_path`` picks (``_finer_level``);
+    ``_merge_levels`` then adds the levels coarse to fine (in place without autograd).
     """
     S = len(queries)
     _check_pyramids(S, keys, values, topks, attn_type)
     run = _CoreRun(num_heads, 1.0 / (queries[0].shape[1] // num_heads)**0.5, attn_type,
                    topks, level_weights, lepes, margin_recorder, chunk_elements, use_triton,
-                   projections, _is_inference(queries, keys, values, lepes, level_weights),
+                   projections, is_inference(*queries, *keys, *values, *(lepes or ()),
+                                             level_weights),
                    grid=tuple(queries[0].shape[-2:]))
     q0, k0, v0 = (to_heads(t.float(), num_heads) for t in (queries[0], keys[0], values[0]))
     if S == 1 and attn_type == 'B':
@@ -624,14 +228,6 @@ def _check_pyramids(S: int, keys, values, topks, attn_type: str) -> None:
         raise ValueError('queries, keys and values need the same number of levels')
     if len(topks) < max(1, S - 1):
         raise ValueError(f'{S} levels need {max(1, S - 1)} top-k values, got {tuple(topks)}')
-
-
-def _is_inference(queries, keys, values, lepes, level_weights) -> bool:
-    """No input of the core requires a gradient (or grad mode is off)."""
-    return not (torch.is_grad_enabled() and any(
-        t.requires_grad for t in list(queries) + list(keys) + list(values)
-        + list(lepes or []) + ([level_weights] if level_weights is not None else [])
-        if isinstance(t, torch.Tensor)))
 
 
 @dataclasses.dataclass
@@ -686,199 +282,52 @@ def _coarsest_level(run: _CoreRun, q0: torch.Tensor, k0: torch.Tensor, v0: torch
     return weights @ v0
 
 
+def _margin_hook(recorder: Optional[MarginRecorder], level: int):
+    """``(weights, k) -> None`` reporting level ``level``'s top-k margins, or ``None``."""
+    if recorder is None:
+        return None
+    return lambda probs, k: _record_margin(recorder, level, probs, k)
+
+
 def _finer_level(run: _CoreRun, i: int, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, final: bool) -> torch.Tensor:
-    """Level ``i``'s messages in raster order: picks the path (see the core's docstring),
-    updates the top-k and grid the next level reads."""
+    """Level ``i``'s messages in raster order, by the path ``choose_level_path`` picks
+    (reported to ``ops.quadtree_paths.record_paths``); updates the top-k and grid the
+    next level reads."""
     hi, wi = query.shape[-2:]
     if (hi, wi) != (2 * run.grid[0], 2 * run.grid[1]):
         raise ValueError(f'level {i} is {hi}x{wi}, expected twice level {i - 1} '
                          f'({run.grid[0]}x{run.grid[1]})')
     k, v = to_heads(key, run.h), to_heads(value, run.h)  # (B, h, hi*wi, d)
-    kernels = _level_uses_triton(run.use_triton, k, 4 * run.prev_idx.shape[-1],
-                                 not run.inference)
-    q = None
-    if kernels and run.inference and run.use_triton is None:
-        # (a configuration that failed its check sends the level to the chunked path)
-        q = level_queries(query, run.h, run.temp)
-        kv = (k, v) if k.dtype in _HALF and v.dtype in _HALF else (k.float(), v.float())
-        kernels = _level_kernels_checked(run, i, q, *kv, run.prev_idx.int(), run.grid[1],
-                                         final)
-    if not (kernels and k.dtype in _HALF and v.dtype in _HALF):
+    weighted_b = run.attn_type == 'B' and run.level_weights is not None
+    lv = Level(i, query, k, v, run.prev_idx, run.prev_score, run.h, run.temp, run.attn_type,
+               None if final else run.topks[i],
+               lepe=functools.partial(run.lepe, i) if run.lepes is not None else None,
+               level_weight=run.level_weights[i] if weighted_b else None,
+               record_margin=_margin_hook(run.margin_recorder, i),
+               chunk_elements=run.chunk_elements, use_triton=run.use_triton,
+               inference=run.inference, projections=run.projections)
+    facts, queries = level_facts(lv)
+    path, reason = choose_level_path(facts)
+    # bf16 / fp16 keys and values go to the kernels as they are (read into float32
+    # registers: the exact upcast of .float(), without a float32 copy of both maps)
+    if not (facts.triton and k.dtype in HALF and v.dtype in HALF):
         k, v = k.float(), v.float()
-    # (else bf16 / fp16 keys and values go to the kernels as they are: they read them
-    # into float32 registers, the same exact upcast as .float(), without writing a
-    # float32 copy of both maps first; a PyTorch fallback casts them)
-    if run.inference and not kernels:  # chunks of parent rows: no (N, 4K) tensor in memory
-        msg = _level_in_chunks(run, i, query, k, v, final)
-    elif not kernels and _uses_cpu_kernels(run, k):
-        msg = _level_cpu_train(run, i, query, k, v, final)
-    else:
-        if q is None:
-            q = level_queries(query, run.h, run.temp)  # (B, h, L, 4, d), pre-scaled
-        if kernels and run.prev_idx.dtype != torch.int32:
-            # int32 indices for the kernels (the ops save them for the backward: half the
-            # bytes of int64; the levels below inherit the dtype)
-            run.prev_idx = run.prev_idx.int()
-        # the kernels take the parent cells (B, h, L, Kp) and derive their 4Kp children
-        # (a quarter of the index bytes read and kept for the backward, and no candidate
-        # list built when nothing else needs it); the PyTorch path takes the children
-        pw = run.grid[1]
-        index, iw = (run.prev_idx, pw) if kernels else (child_candidates(run.prev_idx, pw), 0)
-        # (False when the level check said no: the same decision as above)
-        level_triton = run.use_triton if kernels else False
-        msg = None
-        if (final or run.attn_type == 'B' and not run.inference) and kernels:
-            msg = _level_fused(run, i, q, k, v, index, iw, final, level_triton, (hi, wi))
-        if msg is None:  # no fused kernel here, or it raised in auto mode (warned once)
-            msg = _level_batched(run, i, q, k, v, index, iw, final, level_triton, (hi, wi))
-    run.grid = (hi, wi)
-    return msg
-
-
-def _level_in_chunks(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, final: bool) -> torch.Tensor:
-    """Inference without the Triton kernels: parent rows in chunks, by the C++ CPU kernel
-    when it is built (and no margins are recorded), else ``_finer_level_inference``."""
-    # B: the level's LePE map is the buffer the messages are summed into
-    init = None
-    if run.attn_type == 'B' and run.lepes is not None:
-        init = run.lepe(i).contiguous()
+    lv = lv._replace(key=k, value=v, queries=queries,
+                     use_triton=run.use_triton if facts.triton else False)
+    out = LEVEL_PATH_MODULES[path].finer_level(lv)
+    if out is None:  # the fused kernel declined (dispatch) or raised in auto mode
+        path, reason = FUSED_DECLINED
+        out = LEVEL_PATH_MODULES[path].finer_level(lv)
+    report_path(i, path, reason)
+    if out.lepe_added:
         run.lepe_added.add(i)
-    level = _finer_level_inference
-    if graph_capture() and run.margin_recorder is None:
-        # a graph for a runtime: the tile form, dense batched ops in one piece (a traced
-        # chunk loop would be unrolled, and embedding_bag exports as a loop over bags)
-        # (one runtime operator per level where the exporter asked for it)
-        tiles = finer_level_graph_op if custom_ops_requested() else finer_level_tiles
-        msg, run.prev_idx, run.prev_score = tiles(
-            query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp,
-            run.attn_type, None if final else run.topks[i], init)
-        return msg
-    if _uses_cpu_kernels(run, k):
-        level = functools.partial(_finer_level_cpu_kernel, cpu_kernels.quadtree_level_kernel())
-    msg, run.prev_idx, run.prev_score = level(
-        query.float(), k, v, run.prev_idx, run.prev_score, run.h, run.temp, run.attn_type,
-        None if final else run.topks[i], run.margin_recorder, i, init)
-    return msg
-
-
-def _uses_cpu_kernels(run: _CoreRun, k: torch.Tensor) -> bool:
-    """Whether a level without the Triton kernels runs the compiled CPU kernels (inference
-    in ``_level_in_chunks``, training in ``_level_cpu_train``): on CPU, without margin
-    recording, when they are built and enabled."""
-    return (k.device.type == 'cpu' and run.margin_recorder is None
-            and cpu_kernels.quadtree_level_kernel() is not None)
-
-
-def _level_cpu_train(run: _CoreRun, i: int, query: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, final: bool) -> torch.Tensor:
-    """A level with autograd on CPU by the compiled kernels (``quadtree_cpu.level``: it keeps
-    the level's queries, keys, values and selected cells for the backward, which rebuilds
-    the weights; none of the batched path's ``(N, 4K)`` weights and candidate lists)."""
-    B, C, hi, wi = query.shape
-    BH, M = B * run.h, hi * wi
-    Kp = run.prev_idx.shape[-1]
-    topk = 0 if final else run.topks[i]
-    prev_score = run.prev_score.reshape(BH, M // 4, Kp) if run.attn_type == 'A' else None
-    d = C // run.h
-    msg, idx, score = cpu_kernels.level(
-        to_heads(query.float(), run.h).reshape(BH, M, d), k.reshape(BH, M, d),
-        v.reshape(BH, M, d), run.prev_idx.reshape(BH, M // 4, Kp), prev_score, wi,
-        run.temp, topk)
-    if not final:
-        run.prev_idx = idx.view(B, run.h, M, topk)
-        run.prev_score = score.view(B, run.h, M, topk) if run.attn_type == 'A' else None
-    return msg.view(B, run.h, M, d)
-
-
-def _candidates(index: torch.Tensor, iw: int) -> torch.Tensor:
-    """``(B, h, L, 4Kp)`` candidate keys of the level, for the top-k's gather (``index``
-    holds them already unless it holds parent cells, ``iw > 0``)."""
-    return child_candidates(index, iw) if iw else index
-
-
-def _level_fused(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 index: torch.Tensor, iw: int, final: bool, level_triton: Optional[bool],
-                 hw: Tuple[int, int]) -> Optional[torch.Tensor]:
-    """The fused Triton level (scores + softmax (A: x prev_score) + messages, no
-    ``(B, h, L, 4, 4Kp)`` tensors; its backward recomputes the weights), or ``None`` when
-    the dispatch keeps this configuration on PyTorch or the kernel raised in auto mode.
-    B: the level weight is applied in the kernel (its gradient from the backward's per-row
-    ``g . out``, no saved unweighted messages) and folded into the LePE conv; A: the
-    kernel scales by the coarser level's scores."""
-    scale = (run.level_weights[i] if run.attn_type == 'B' and run.level_weights is not None
-             else None)
-    extra = scale if run.attn_type == 'B' else run.prev_score
-    if not _use_final_kernel(level_triton, run.attn_type, q, k, v, index, extra, iw,
-                             not run.inference):
-        return None
-    qt_triton = _kernels()
-    idx_i = None
-    if not final:
-        # B: the top-k indices carry no gradient, so the weights they are selected from
-        # are computed without autograd (nothing saved) and dropped
-        with torch.no_grad():
-            attn = torch.softmax(
-                gathered_scores(q, k, index, run.chunk_elements, level_triton, iw), dim=-1)
-        _record_margin(run.margin_recorder, i, attn, run.topks[i])
-        sel = attn.topk(run.topks[i], dim=-1, sorted=False).indices  # (B, h, L, 4, Ki)
-        idx_i = _candidates(index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
-        del attn, sel
-
-    def fused_level():
-        if final and run.projections is not None and not run.inference:
-            # (its backward recomputes the finest maps from the block input)
-            return qt_triton.final_level_projected_triton(
-                q, k, v, index, extra, iw, run.projections, hw, run.h, run.temp,
-                run.attn_type)
-        if run.attn_type == 'B':
-            return qt_triton.final_level_b_triton(q, k, v, index, extra, iw)
-        return qt_triton.final_level_a_triton(q, k, v, index, extra, iw)
-
-    raw = dispatch.guarded('quadtree', _final_key(run.attn_type, q, k, v, index, extra, iw),
-                           q.device, level_triton is True, fused_level, lambda: None)
-    if raw is None:
-        return None
-    msg = children_to_raster(raw, hw)
-    if run.attn_type == 'B' and scale is not None:
+    if out.weighted:
         run.weighted.add(i)
-        if run.lepes is not None:
-            lepe = run.lepe(i, scale)
-            msg = msg.add_(lepe) if run.inference else msg + lepe
-            run.lepe_added.add(i)
     if not final:
-        run.prev_idx, run.prev_score = children_to_raster(idx_i, hw), None
-    return msg
-
-
-def _level_batched(run: _CoreRun, i: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, index: torch.Tensor, iw: int, final: bool,
-                   level_triton: Optional[bool], hw: Tuple[int, int]) -> torch.Tensor:
-    """The level as batched gathers (``gathered_scores`` / ``gathered_messages``, custom
-    backward; their Triton kernels where the level check allowed them)."""
-    scores = gathered_scores(q, k, index, run.chunk_elements, level_triton, iw)
-    if run.attn_type == 'B':
-        attn = torch.softmax(scores, dim=-1)
-    else:
-        Kp = run.prev_idx.shape[-1]
-        attn = torch.softmax(scores.unflatten(-1, (Kp, 4)), dim=-1)
-        attn = (attn * run.prev_score[:, :, :, None, :, None]).flatten(-2)
-    weights = attn
-    if not final:
-        Ki = run.topks[i]
-        _record_margin(run.margin_recorder, i, attn, Ki)
-        # (B: the indices only, selected on the detached weights, as at level 0)
-        score_i, sel = (attn.detach() if run.attn_type == 'B' else attn).topk(
-            Ki, dim=-1, sorted=False)  # (B, h, L, 4, Ki)
-        idx_i = _candidates(index, iw).unsqueeze(3).expand_as(attn).gather(-1, sel)
-        run.prev_idx = children_to_raster(idx_i, hw)
-        # (the finer levels of B do not use the scores of their parents)
-        run.prev_score = children_to_raster(score_i, hw) if run.attn_type == 'A' else None
-        if run.attn_type == 'A':
-            weights = attn.scatter(-1, sel, 0.)
-    msg = gathered_messages(weights, v, index, run.chunk_elements, level_triton, iw)
-    return children_to_raster(msg, hw)
+        run.prev_idx, run.prev_score = out.next_idx, out.next_score
+    run.grid = (hi, wi)
+    return out.msg
 
 
 def _merge_levels(run: _CoreRun, messages: List[torch.Tensor],
@@ -907,159 +356,67 @@ def _merge_levels(run: _CoreRun, messages: List[torch.Tensor],
         messages[i] = None  # free merged levels
     return out
 
-
-#: a finer level whose gathered ``(parents, 4K, d)`` key rows plus ``(parents, 4, 4K)``
-#: scores fit in this many elements (16 MiB) runs as one chunk (fastest: each chunk costs
-#: ~15 small ops); larger levels run in chunks of ``_LEVEL_CHUNK_ELEMENTS`` (~2 MiB, whole
-#: parent rows, at least one), which bounds the peak memory
-_LEVEL_ONE_CHUNK_ELEMENTS = 1 << 22
-_LEVEL_CHUNK_ELEMENTS = 1 << 19
-#: the same bound for levels scored by one dense GEMM (4 MiB: e.g. the 28x28 level of a
-#: 56x56 map in one piece, 0.8 ms faster than two chunks on 2 CPU threads)
-_DENSE_ONE_CHUNK_ELEMENTS = 1 << 20
-#: on accelerators kernel launches, not caches, set the cost of a chunk (~20 launches):
-#: levels run in chunks of up to 16 Mi elements (64 MiB): a few chunks per level at most
-_DEVICE_LEVEL_CHUNK_ELEMENTS = 1 << 24
-
-
-def _to_raster_rows(x: torch.Tensor, rows: int, parent_width: int) -> torch.Tensor:
-    """``(B, h, rows * pw, 4, X)`` grouped by parent -> ``(B, h, rows, 2, pw, 2, X)``, the
-    layout of ``rows`` parent rows inside a raster ``(B, h, 2H', 2W', X)`` view."""
-    B, h = x.shape[:2]
-    X = x.shape[-1]
-    return x.reshape(B, h, rows, parent_width, 2, 2, X).transpose(3, 4)
-
-
-def _finer_level_inference(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           prev_idx: torch.Tensor, prev_score: Optional[torch.Tensor], h: int,
-                           temp: float, attn_type: str, topk: Optional[int],
-                           margin_recorder: Optional[MarginRecorder], level: int,
-                           init: Optional[torch.Tensor] = None
-                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor],
-                                      Optional[torch.Tensor]]:
-    """One finer level without autograd, processed in chunks of parent rows (scores,
-    softmax, top-k and messages of a chunk, written straight into raster-order outputs).
-
-    Same result as the batched path of ``quadtree_attention_core``; the peak memory of a
-    level is its message map plus one chunk instead of several ``(N, 4K)`` tensors.
-    Scores come from gathered key rows (``4K x d`` floats per parent) or, on levels with
-    few keys (``4 M <= 4K d``: fewer floats per parent), from one dense GEMM of the child
-    queries with all ``M`` keys followed by a gather of the candidate columns (a regular
-    matrix product instead of many tiny ones; same numbers up to rounding).
-
-    ``init`` (contiguous ``(B, h, hi*wi, d)``, e.g. the LePE map) is used as the message
-    buffer and the messages are added to it.
-
-    Returns:
-        messages ``(B, h, hi*wi, d)`` in raster order, and the next level's ``prev_idx``
-        / ``prev_score`` ``(B, h, hi*wi, topk)`` (``None`` for the final level; the
-        scores only for variant A, which uses them).
-    """
-    B, C, hi, wi = q_map.shape
-    d = C // h
-    pw = wi // 2  # parents per row
-    M = hi * wi
-    Kp = prev_idx.shape[-1]
-    K = 4 * Kp
-    dense = 4 * M <= K * d
-    if dense:
-        k_mat = k.reshape(B * h, M, d)
-    else:
-        k_table = k.reshape(B * h * M, d).contiguous()
-    v_table = v.reshape(B * h * M, d).contiguous()
-    msg = q_map.new_empty(B, h, M, d) if init is None else init
-    msg_rows = msg.view(B, h, hi // 2, 2, pw, 2, d)
-    next_idx = next_score = None
-    if topk is not None:
-        next_idx = prev_idx.new_empty(B, h, M, topk)
-        idx_rows = next_idx.view(B, h, hi // 2, 2, pw, 2, topk)
-        if attn_type == 'A':
-            next_score = q_map.new_empty(B, h, M, topk)
-            score_rows = next_score.view(B, h, hi // 2, 2, pw, 2, topk)
-    per_row = B * h * pw * (4 * M if dense else K * d) + B * h * pw * 4 * K
-    # the dense (4P, M) score block is one GEMM whatever its size: a whole level runs as
-    # one chunk only up to _DENSE_ONE_CHUNK_ELEMENTS (it would otherwise dominate the peak
-    # memory of the whole operator), else in chunks of the small budget
-    if q_map.device.type == 'cpu':
-        one_chunk = _DENSE_ONE_CHUNK_ELEMENTS if dense else _LEVEL_ONE_CHUNK_ELEMENTS
-        chunk_elements = _LEVEL_CHUNK_ELEMENTS
-    else:
-        one_chunk = chunk_elements = _DEVICE_LEVEL_CHUNK_ELEMENTS
-    rows_per_chunk = hi // 2 if graph_capture() or per_row * (hi // 2) <= one_chunk else \
-        max(1, chunk_elements // per_row)
-    for r0 in range(0, hi // 2, rows_per_chunk):
-        r1 = min(hi // 2, r0 + rows_per_chunk)
-        s, e = r0 * pw, r1 * pw
-        q = group_children(q_map[:, :, 2 * r0:2 * r1], h).mul_(temp)  # (B, h, P, 4, d)
-        cand = child_candidates(prev_idx[:, :, s:e], pw)  # (B, h, P, 4Kp)
-        rows = flat_rows(cand, M)
-        if dense:  # (B h, 4P, M) = one GEMM per batch/head, then the candidate columns
-            full = torch.bmm(q.reshape(B * h, (e - s) * 4, d), k_mat.transpose(1, 2))
-            # the 4 children share their parent's candidates: a stride-0 index, no copy
-            scores = full.view(B, h, e - s, 4, M).gather(
-                -1, cand.unsqueeze(3).expand(B, h, e - s, 4, K))
-            del full
-        else:
-            g = k_table.index_select(0, rows).view(B * h * (e - s), K, d)
-            scores = torch.bmm(q.reshape(B * h * (e - s), 4, d), g.transpose(1, 2))
-            del g
-        scores = scores.view(B, h, e - s, 4, K)
-        if attn_type == 'B':
-            attn = scores.softmax(dim=-1)
-        else:
-            attn = scores.view(B, h, e - s, 4, Kp, 4).softmax(dim=-1)
-            attn = attn.mul_(prev_score[:, :, s:e, None, :, None]).view(B, h, e - s, 4, K)
-        del scores
-        weights = attn
-        if topk is not None:
-            _record_margin(margin_recorder, level, attn, topk)
-            score_c, sel = attn.topk(topk, dim=-1, sorted=False)  # (B, h, P, 4, topk)
-            idx_c = cand.unsqueeze(3).expand_as(attn).gather(-1, sel)
-            idx_rows[:, :, r0:r1] = _to_raster_rows(idx_c, r1 - r0, pw)
-            if next_score is not None:
-                score_rows[:, :, r0:r1] = _to_raster_rows(score_c, r1 - r0, pw)
-            if attn_type == 'A':
-                weights = attn.scatter_(-1, sel, 0.)
-        bags = rows.view(B * h * (e - s), 1, K).expand(B * h * (e - s), 4, K).reshape(-1, K)
-        out = F.embedding_bag(bags, v_table, mode='sum',
-                              per_sample_weights=weights.reshape(-1, K))
-        out = _to_raster_rows(out.view(B, h, e - s, 4, d), r1 - r0, pw)
-        if init is None:
-            msg_rows[:, :, r0:r1] = out
-        else:
-            msg_rows[:, :, r0:r1] += out
-    return msg, next_idx, next_score
-
-
-def _finer_level_cpu_kernel(kernel: Callable, q_map: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor, prev_idx: torch.Tensor,
-                            prev_score: Optional[torch.Tensor], h: int, temp: float,
-                            attn_type: str, topk: Optional[int],
-                            margin_recorder: Optional[MarginRecorder], level: int,
-                            init: Optional[torch.Tensor] = None
-                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor],
-                                       Optional[torch.Tensor]]:
-    """``_finer_level_inference`` by the fused CPU kernel (``ops.quadtree_cpu``): same arguments
-    and results (up to float rounding and the order of the selected keys; no margins)."""
-    B, C, hi, wi = q_map.shape
-    d = C // h
-    M = hi * wi
-    Kp = prev_idx.shape[-1]
-    q = to_heads(q_map, h).reshape(B * h, M, d).contiguous()
-    msg = (q_map.new_zeros(B, h, M, d) if init is None else init).view(B * h, M, d)
-    type_a = attn_type == 'A'
-    scores = prev_score.reshape(B * h, M // 4, Kp).contiguous() if type_a else None
-    next_idx, next_score = kernel(q, k.reshape(B * h, M, d).contiguous(),
-                                  v.reshape(B * h, M, d).contiguous(),
-                                  prev_idx.reshape(B * h, M // 4, Kp).contiguous(), scores,
-                                  msg, wi, temp, topk or 0, type_a)
-    if topk is None:
-        return msg.view(B, h, M, d), None, None
-    return (msg.view(B, h, M, d), next_idx.view(B, h, M, topk),
-            next_score.view(B, h, M, topk) if type_a else None)
-
-
 # --------------------------------------------------------------------------- module
+class _AvgPool2x2(torch.autograd.Function):
+    """``F.avg_pool2d(x, 2, 2)`` of an even-sided map whose backward needs only the shape:
+    nothing is saved (the autograd node of ``avg_pool2d`` keeps its input alive, a whole
+    query / key map per pyramid level). The gradient keeps the input's memory format."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        ctx.channels_last = not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last)
+        return F.avg_pool2d(x, 2, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = ctx.shape
+        fmt = torch.channels_last if ctx.channels_last else torch.contiguous_format
+        dx = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
+        # every input of a 2x2 window gets a quarter of the window's gradient (a product
+        # and a copy into the window view: torch.compile takes no strided ``out=``)
+        dx.view(B, C, H // 2, 2, W // 2, 2).copy_((grad * 0.25)[:, :, :, None, :, None])
+        return dx
+
+
+def _avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
+    """2x2 average pooling of an even-sided ``(B, C, H, W)`` map (a pyramid level); with
+    autograd, by ``_AvgPool2x2`` (saves nothing)."""
+    if x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0 and recorded_eagerly(x):
+        return _AvgPool2x2.apply(x)
+    return F.avg_pool2d(x, 2, 2)
+
+
+class LePEConv:
+    """A lazily evaluated LePE map of ``quadtree_attention_core``: the depth-wise 3x3 conv
+    ``conv`` of the value map ``value``, in float32. Called with a level weight ``scale``,
+    it folds the weight into the conv's weight and bias (``conv(value) * scale`` without a
+    saved copy of ``conv(value)`` for the weight's gradient). With ``recompute``, a bf16 /
+    fp16 ``value`` (autocast) is cast inside a checkpoint when autograd records the conv:
+    the backward recasts it instead of keeping a float32 copy of the map."""
+
+    def __init__(self, value: torch.Tensor, conv: nn.Conv2d, recompute: bool = True) -> None:
+        self.value, self.conv, self.recompute = value, conv, recompute
+
+    def _apply(self, value: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        w, b = self.conv.weight.float(), self.conv.bias
+        b = b.float() if b is not None else None
+        if scale is not None:
+            w = w * scale
+            b = b * scale if b is not None else None
+        return F.conv2d(value.float(), w, b, padding=self.conv.padding, groups=self.conv.groups)
+
+    def __call__(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        v = self.value
+        if self.recompute and v.dtype != torch.float32 and recorded_eagerly(
+                v, *self.conv.parameters(), *([scale] if scale is not None else [])):
+            # (no random op: no RNG state to restore)
+            return checkpoint(self._apply, v, scale, use_reentrant=False,
+                              preserve_rng_state=False)
+        return self._apply(v, scale)
+
+
 class _LevelAttentionB(nn.Module):
     """Container of variant B's level logits ``weight`` ``(S,)`` (entry 0 = coarsest) and the
     per-level LePE depth-wise convs ``get_vs`` (entry 0 = coarsest); official ``py_att``."""
@@ -1296,87 +653,3 @@ class QuadTreeAttention(nn.Module):
         return (f'embed_dims={self.embed_dims}, num_heads={self.num_heads}, '
                 f'attn_type={self.attn_type!r}, num_levels={self.num_levels}, '
                 f'topk={self.topks[:max(1, self.num_levels - 1)]}, value_act={self.value_act!r}')
-
-
-# ----------------------------------------------------------------------------------------
-# first-use check of the QuadTree kernels (ops.dispatch): a kernel configuration is used in
-# auto mode only after its forward and backward matched this module's PyTorch path once
-
-
-def _first_use_check(key: tuple, device: torch.device) -> None:
-    """Run the kernel of ``key`` (``_gathered_key`` / ``_final_key``) forward and backward
-    on a tiny level of the key's layouts (``specialisation.like``: parents spanning two
-    program blocks and a ragged tail) against the PyTorch path; raise
-    ``dispatch.KernelMismatch`` (or the kernel's error) if they differ."""
-    qt = _kernels()
-    gen = dispatch.check_generator()
-    op = key[0]
-    if op in ('qt_scores', 'qt_messages'):
-        _, _, nf, K, d, parents, *layouts, pw_cls = key  # a, src, index
-        L_min = 2 * qt.tile_parents(K, d) + 1
-    else:
-        _, _, K, d, parents, *layouts, pw_cls = key  # q, k, v, index, extra
-        nf, L_min = 4, 2 * qt.tile_parents(K, d, fused=True) + 1
-    la, lsrc, lidx = layouts[0], layouts[1], layouts[-2 if op.startswith('qt_final') else 2]
-    B, h = spec.sized_like(la[2][0], 1), spec.sized_like(la[2][1], 2)
-    ph, pw = _parent_grid(la[2][2], pw_cls if parents else la[2][2], L_min)
-    L, M = ph * pw, 4 * ph * pw  # the level is a (2 ph) x (2 pw) map
-    Kidx = K // 4 if parents else K
-    index = spec.like(lidx, (B, h, L, Kidx), device, gen,
-                      integers=L if parents else M)[0]
-    iw = pw if parents else 0
-    # (the float inputs: a and src, or q, k and v)
-    tol = max(dispatch.TOLERANCES[lay[0]] for lay in layouts[:3 if op.startswith('qt_f') else 2])
-    if op in ('qt_scores', 'qt_messages'):
-        scores = op == 'qt_scores'
-        views, storages = spec.check_leaves(
-            (la, lsrc), [(B, h, L, nf, d if scores else K), (B, h, M, d)], device, gen,
-            positive=(not scores, False))
-        gathered = gathered_scores if scores else gathered_messages
-        kernel = qt.gathered_scores_triton if scores else qt.gathered_messages_triton
-
-        def run(use_triton):
-            a, src = spec.views_of(views, storages)
-            if use_triton:
-                return kernel(a, src, index, iw)
-            return gathered(a, src, index, use_triton=False, parent_width=iw)
-    else:
-        grouped = op == 'qt_final_a'
-        lq, lk, lv, _, lextra = layouts
-        shapes = [(B, h, L, 4, d), (B, h, M, d), (B, h, M, d),
-                  (B, h, L, K // 4) if grouped else  # (B: the level weight, any shape of 1)
-                  tuple(1 for _ in (lextra.sizes if lextra else ()))]
-        views, storages = spec.check_leaves((lq, lk, lv, lextra), shapes, device, gen,
-                                        positive=(False, False, False, True))
-
-        def run(use_triton):
-            q, k, v, extra = spec.views_of(views, storages)
-            if use_triton:
-                fn = qt.final_level_a_triton if grouped else qt.final_level_b_triton
-                return fn(q, k, v, index, extra, iw)
-            scores = gathered_scores(q, k, index, use_triton=False, parent_width=iw)
-            if grouped:
-                attn = torch.softmax(scores.unflatten(-1, (K // 4, 4)), dim=-1)
-                attn = (attn * extra[:, :, :, None, :, None]).flatten(-2)
-            else:
-                attn = torch.softmax(scores, dim=-1)
-            out = gathered_messages(attn, v, index, use_triton=False, parent_width=iw)
-            return out if grouped or extra is None else out * extra
-    dispatch.compare_paths(op, run, storages, gen, tol)
-
-
-def _parent_grid(parents_cls, width_cls, at_least: int) -> Tuple[int, int]:
-    """A parent grid ``(ph, pw)`` of at least ``at_least`` cells whose width and cell
-    count have the given ``specialisation.size_class`` es (a level's ``L = ph * pw``)."""
-    pw = spec.sized_like(width_cls, 2 if width_cls != parents_cls else at_least)
-    if parents_cls == width_cls and spec.size_class(pw) == parents_cls:
-        return 1, pw
-    for ph in range(max(1, -(-at_least // pw)), max(1, -(-at_least // pw)) + 64):
-        if spec.size_class(ph * pw) == parents_cls:
-            return ph, pw
-    raise ValueError(f'no parent grid with {parents_cls} cells and width {width_cls}')
-
-
-
-dispatch.register_first_use_check('quadtree', _first_use_check)
-

@@ -1,4 +1,8 @@
-"""A QuadTree finer level as one graph operator, for runtimes that implement it.
+"""Path ``graph_op``: a QuadTree finer level as one graph operator, for runtimes with it.
+
+Formula: that of ``quadtree_tiles`` (scores with the selected cells' 2x2 key tiles,
+softmax -- A: per tile, times the coarser weight --, top-k passed on, messages), as one
+node; inference only, saves nothing.
 
 ``flatten_mm_graph::quadtree_level`` is a PyTorch custom operator whose exported form is
 one node of a runtime's own kernel: ``flatten_mm::QuadTreeLevel`` in ONNX Runtime, with the
@@ -17,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from .quadtree_layout import to_heads
+from .quadtree_level import Level, LevelOutput, lepe_buffer
 from .quadtree_tiles import finer_level_tiles
 
 
@@ -77,3 +82,12 @@ def finer_level_graph_op(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return msg.view(B, h, M, d), None, None
     return (msg.view(B, h, M, d), idx.view(B, h, M, topk),
             score.view(B, h, M, topk) if type_a else None)
+
+
+def finer_level(lv: Level) -> LevelOutput:
+    """The level as one ``quadtree_level`` node (B: its LePE map is the node's ``init``)."""
+    init = lepe_buffer(lv)
+    msg, next_idx, next_score = finer_level_graph_op(
+        lv.query.float(), lv.key, lv.value, lv.prev_idx, lv.prev_score, lv.num_heads,
+        lv.temp, lv.attn_type, lv.topk, init)
+    return LevelOutput(msg, next_idx, next_score, lepe_added=init is not None)

@@ -1,4 +1,10 @@
-"""A QuadTree finer level as gathers of whole 2x2 tiles: the form exported to ONNX.
+"""Path ``tiles``: a QuadTree finer level as gathers of whole 2x2 tiles, the exported form.
+
+Formula (inference only, saves nothing): for the 4 child queries ``q`` of each parent
+(scaled by ``1/sqrt(d)``) and the 2x2 key / value tiles of its ``Kp`` selected cells,
+``scores = q K_tiles^T``, ``attn = softmax(scores)`` (B) or per-tile softmax times the
+cell's coarser weight (A), ``topk`` passed on (A: zeroed at a non-final level),
+``msg = attn V_tiles`` -- as below.
 
 The 4 child queries of a parent cell attend to the same ``4 Kp`` candidate keys: the
 children of the ``Kp`` coarser cells their parent selected. Grouped by parent
@@ -18,7 +24,7 @@ the key (value) table, so a level needs one row gather per selected cell:
 Every op is a dense batched one (Gather on axis 0, MatMul, Softmax, TopK), which ONNX
 Runtime runs at the speed of PyTorch; the chunked inference path's ``embedding_bag``
 becomes a loop over bags in ONNX (``Loop`` + ``SequenceInsert``, 50-60x slower). Same
-values as ``quadtree_attention._finer_level_inference`` up to float rounding and the order
+values as ``quadtree_rows.finer_level_rows`` up to float rounding and the order
 of the selected keys. Memory: the gathered ``(B h P, 4 Kp, d)`` rows of a whole level at
 once (no chunks: a traced graph would unroll the loop).
 """
@@ -27,6 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from .quadtree_layout import children_to_raster, flat_rows, group_children, raster_to_children
+from .quadtree_level import Level, LevelOutput, lepe_buffer
 
 
 def selected_to_raster(cells: torch.Tensor, slots: torch.Tensor,
@@ -105,3 +112,12 @@ def finer_level_tiles(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     values = tiles_v.index_select(0, rows).view(B * h * P, 4 * Kp, d)
     msg = children_to_raster(torch.bmm(weights, values).view(B, h, P, 4, d), hw)
     return (msg if init is None else msg + init), next_idx, next_score
+
+
+def finer_level(lv: Level) -> LevelOutput:
+    """The level in the tile form (B: plus its LePE map)."""
+    init = lepe_buffer(lv)
+    msg, next_idx, next_score = finer_level_tiles(
+        lv.query.float(), lv.key, lv.value, lv.prev_idx, lv.prev_score, lv.num_heads,
+        lv.temp, lv.attn_type, lv.topk, init)
+    return LevelOutput(msg, next_idx, next_score, lepe_added=init is not None)

@@ -1,7 +1,7 @@
 """Triton kernels of QuadTree attention's finer levels: gathered scores and gathered
 messages, forward and backward, without materialising the gathered key / value rows.
 
-The same maths as ``quadtree_attention.gathered_scores`` / ``gathered_messages`` (the
+The same maths as ``quadtree_gather.gathered_scores`` / ``gathered_messages`` (the
 PyTorch path, ``_GatheredMatmul``, which stays the fallback and the reference), i.e. the
 official CUDA kernels ``score_computation`` / ``value_aggregation`` with the candidate list
 shared by the ``F`` (= 4) child queries of a parent::
@@ -43,7 +43,7 @@ coarser level's ``prev_score``; gradients also for ``prev_score``), each with it
 ``_backward`` op.
 
 A training forward's final level whose query and key are projections of the block input
-(``quadtree_attention.Projections``; variant A: the value too) runs as
+(``quadtree_level.Projections``; variant A: the value too) runs as
 ``final_level_projected_triton``, an ``autograd.Function`` around the fused op: its
 backward recomputes those maps (one GEMM each) instead of keeping the float32 grouped
 queries and the key map of the finest level, the largest tensors a block's attention
@@ -1129,7 +1129,7 @@ def final_level_projected_triton(query: torch.Tensor, key: torch.Tensor, value: 
     parent_width)`` (``variant='B'``, ``extra`` the level weight or ``None``) or
     ``final_level_a_triton(..., extra, ...)`` (``'A'``, ``extra`` the prev_score), for a
     query, key (and value) that are projections of one input (``projections``, a
-    ``quadtree_attention.Projections``): the same output and gradients, but the backward
+    ``quadtree_level.Projections``): the same output and gradients, but the backward
     recomputes them (one GEMM each, and the layout: ``query`` must be
     ``level_queries(query map, num_heads, temp)``, ``key`` / ``value`` the ``_to_heads``
     of their maps, in their own dtype) instead of keeping them, so a training step keeps
