@@ -49,22 +49,9 @@ def library():
     return path
 
 
-def _level_model(type_a: bool, width: int, scale: float, topk: int):
-    from onnx import TensorProto, helper
-    names = ['q', 'k', 'v', 'prev_idx', 'prev_score', 'init']
-    node = helper.make_node('QuadTreeLevel', names, ['msg', 'next_idx', 'next_score'],
-                            domain=ort_ops.DOMAIN, width=width, scale=scale, topk=topk,
-                            type_a=int(type_a))
-    inputs = [helper.make_tensor_value_info(
-        n, TensorProto.INT64 if n == 'prev_idx' else TensorProto.FLOAT, None) for n in names]
-    outputs = [helper.make_tensor_value_info('msg', TensorProto.FLOAT, None),
-               helper.make_tensor_value_info('next_idx', TensorProto.INT64, None),
-               helper.make_tensor_value_info('next_score', TensorProto.FLOAT, None)]
-    model = helper.make_model(helper.make_graph([node], 'level', inputs, outputs),
-                              opset_imports=[helper.make_opsetid('', 18),
-                                             helper.make_opsetid(ort_ops.DOMAIN, 1)])
-    model.ir_version = 8
-    return model.SerializeToString()
+def _level_model(type_a: bool, width: int, scale: float, topk: int) -> bytes:
+    from ort_level_model import level_model
+    return level_model(ort_ops.DOMAIN, type_a, width, scale, topk)
 
 
 def _session(model: bytes, threads: int):

@@ -20,6 +20,9 @@ import sys
 
 import pytest
 
+#: tests/ (the subprocesses import its ort_level_model)
+TESTS_DIR = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
 from flatten_mm.models.ops import quadtree_cpu as cpu_kernels
 
 REPO = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -101,28 +104,16 @@ run({
 
 _ORT_CASES = _RUNNER + r'''
 import onnxruntime as ort
-from onnx import TensorProto, helper
 from flatten_mm.deploy import ort_ops
 
 def model(width=8, topk=2, type_a=False):
-    names = ['q', 'k', 'v', 'prev_idx', 'prev_score', 'init']
-    node = helper.make_node('QuadTreeLevel', names, ['msg', 'next_idx', 'next_score'],
-                            domain=ort_ops.DOMAIN, width=width, scale=0.5, topk=topk,
-                            type_a=int(type_a))
-    inputs = [helper.make_tensor_value_info(
-        n, TensorProto.INT64 if n == 'prev_idx' else TensorProto.FLOAT, None) for n in names]
-    outputs = [helper.make_tensor_value_info('msg', TensorProto.FLOAT, None),
-               helper.make_tensor_value_info('next_idx', TensorProto.INT64, None),
-               helper.make_tensor_value_info('next_score', TensorProto.FLOAT, None)]
-    m = helper.make_model(helper.make_graph([node], 'level', inputs, outputs),
-                          opset_imports=[helper.make_opsetid('', 18),
-                                         helper.make_opsetid(ort_ops.DOMAIN, 1)])
-    m.ir_version = 8
+    from ort_level_model import level_model  # (tests/, on PYTHONPATH)
+    m = level_model(ort_ops.DOMAIN, type_a, width, 0.5, topk)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     opts.log_severity_level = 4
     ort_ops.register(opts)
-    return ort.InferenceSession(m.SerializeToString(), opts, providers=['CPUExecutionProvider'])
+    return ort.InferenceSession(m, opts, providers=['CPUExecutionProvider'])
 
 rng = np.random.default_rng(0)
 BH, W, M, d, Kp = 2, 8, 64, 8, 2
@@ -226,7 +217,9 @@ def _run_cases(script: str) -> dict:
     """Runs a case script in a subprocess: {case: result}, and the crash, if any, under
     the key None (the case it stopped in and the return code)."""
     proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS='2'))
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS='2',
+                                                PYTHONPATH=os.pathsep.join(filter(None, (
+                                                    TESTS_DIR, os.environ.get('PYTHONPATH'))))))
     results, started = {}, None
     for line in proc.stdout.splitlines():
         if line.startswith('{'):

@@ -13,7 +13,7 @@ import torch
 
 from . import quadtree_cpu as cpu_kernels
 from .quadtree_layout import to_heads
-from .quadtree_level import Level, LevelOutput, lepe_buffer
+from .quadtree_level import Level, LevelOutput, run_raw_level
 
 
 def finer_level_cpu(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,8 +44,4 @@ def finer_level_cpu(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def finer_level(lv: Level) -> LevelOutput:
     """The level by the compiled kernel (B: summed into its LePE map)."""
-    init = lepe_buffer(lv)
-    msg, next_idx, next_score = finer_level_cpu(
-        lv.query.float(), lv.key, lv.value, lv.prev_idx, lv.prev_score, lv.num_heads,
-        lv.temp, lv.attn_type, lv.topk, init)
-    return LevelOutput(msg, next_idx, next_score, lepe_added=init is not None)
+    return run_raw_level(finer_level_cpu, lv)

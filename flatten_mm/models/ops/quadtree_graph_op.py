@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 
 from .quadtree_layout import to_heads
-from .quadtree_level import Level, LevelOutput, lepe_buffer
+from .quadtree_level import Level, LevelOutput, run_raw_level
 from .quadtree_tiles import finer_level_tiles
 
 
@@ -86,8 +86,4 @@ def finer_level_graph_op(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def finer_level(lv: Level) -> LevelOutput:
     """The level as one ``quadtree_level`` node (B: its LePE map is the node's ``init``)."""
-    init = lepe_buffer(lv)
-    msg, next_idx, next_score = finer_level_graph_op(
-        lv.query.float(), lv.key, lv.value, lv.prev_idx, lv.prev_score, lv.num_heads,
-        lv.temp, lv.attn_type, lv.topk, init)
-    return LevelOutput(msg, next_idx, next_score, lepe_added=init is not None)
+    return run_raw_level(finer_level_graph_op, lv)

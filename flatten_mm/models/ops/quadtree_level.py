@@ -110,6 +110,18 @@ def lepe_buffer(lv: Level) -> Optional[torch.Tensor]:
     return None
 
 
+def run_raw_level(raw: Callable, lv: Level) -> LevelOutput:
+    """``lv`` through a path written on plain tensors, ``raw(query, key, value, prev_idx,
+    prev_score, num_heads, temp, attn_type, topk, init) -> (msg, next_idx, next_score)``
+    (the inference forms: compiled kernel, tiles, graph operator), with B's LePE map as
+    ``init``, the buffer the messages are summed into."""
+    init = lepe_buffer(lv)
+    msg, next_idx, next_score = raw(
+        lv.query.float(), lv.key, lv.value, lv.prev_idx, lv.prev_score, lv.num_heads,
+        lv.temp, lv.attn_type, lv.topk, init)
+    return LevelOutput(msg, next_idx, next_score, lepe_added=init is not None)
+
+
 def margin_hook(lv: Level) -> Optional[Callable[[int, torch.Tensor, int], None]]:
     """``record_margin`` in the ``(level, weights, k)`` form of the inference paths."""
     if lv.record_margin is None:

@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from .quadtree_layout import children_to_raster, flat_rows, group_children, raster_to_children
-from .quadtree_level import Level, LevelOutput, lepe_buffer
+from .quadtree_level import Level, LevelOutput, run_raw_level
 
 
 def selected_to_raster(cells: torch.Tensor, slots: torch.Tensor,
@@ -116,8 +116,4 @@ def finer_level_tiles(q_map: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def finer_level(lv: Level) -> LevelOutput:
     """The level in the tile form (B: plus its LePE map)."""
-    init = lepe_buffer(lv)
-    msg, next_idx, next_score = finer_level_tiles(
-        lv.query.float(), lv.key, lv.value, lv.prev_idx, lv.prev_score, lv.num_heads,
-        lv.temp, lv.attn_type, lv.topk, init)
-    return LevelOutput(msg, next_idx, next_score, lepe_added=init is not None)
+    return run_raw_level(finer_level_tiles, lv)
