@@ -102,6 +102,10 @@ def file_lock(path: str, log: Callable[[str], None] = log_message,
     try:
         start = last_log = time.monotonic()
         delay, locked = 0.01, fcntl is not None
+        if fcntl is None:  # (Windows)
+            log(f'warning: no inter-process lock on this platform (fcntl): {path} is not '
+                'held; processes fetching the same file at once each write a temporary file '
+                'of their own and the last complete one is kept')
         while locked:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

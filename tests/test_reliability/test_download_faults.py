@@ -362,6 +362,15 @@ def test_every_converter_has_a_version():
     assert set(CONVERTERS) | {'whole_model', 'classifier'} == set(hub.CONVERTER_VERSIONS)
 
 
+def test_a_platform_without_file_locks_says_so(tmp_path, monkeypatch):
+    """Without fcntl (Windows) the block runs unlocked, and the log says so."""
+    monkeypatch.setattr(download, 'fcntl', None)
+    logs, ran = [], []
+    with download.file_lock(str(tmp_path / 'x.lock'), log=logs.append):
+        ran.append(True)
+    assert ran and len(logs) == 1 and 'no inter-process lock' in logs[0]
+
+
 def test_two_threads_share_one_download(server, cache, official, monkeypatch):
     """The reviewer's reproduction: two threads of one process, one name, at once."""
     data, expected = official
