@@ -77,7 +77,8 @@ def describe(config: str, work_dir: str, task: str) -> List[str]:
     """The lines for one model: data, metrics, outputs."""
     cfg = Config.fromfile(config)
     train, test = cfg.train_dataloader.dataset, cfg.test_dataloader.dataset
-    model = cfg.model.type + ' + ' + cfg.model.backbone.type.split('.')[-1]
+    model = cfg.model.type + (f" ({cfg.model.decode_head.type})" if cfg.model.get('decode_head')
+                              else '') + ' + ' + cfg.model.backbone.type.split('.')[-1]
     if cfg.model.backbone.get('arch'):
         model += f" ({cfg.model.backbone.arch})"
     same = _images(train) == _images(test)
@@ -105,10 +106,10 @@ def main(argv: List[str]) -> int:
     image = _first_image(Config.fromfile(det_cfg).test_dataloader.dataset)
     lines += [
         '',
-        'What to expect: a few dozen iterations from random weights on a dozen images show that',
-        'data, training, evaluation and painting work end to end; a COCO mAP of 0.000 and a low',
-        'mIoU (mostly the most frequent classes) are normal. Published numbers need the full',
-        'datasets and the ImageNet-pretrained backbone: see docs/model_zoo.md.',
+        'What to expect: a few dozen iterations from random weights on a handful of images',
+        'show that data, training, evaluation and painting work end to end; a COCO mAP of',
+        '0.000 and a low mIoU (mostly the most frequent classes) are normal. Published numbers',
+        'need the full datasets and the ImageNet-pretrained backbone: see docs/model_zoo.md.',
         '',
         'Next, predict on an image with the trained detector:',
         f'    python tools/infer.py {det_cfg} \\',
